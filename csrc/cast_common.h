@@ -1,0 +1,61 @@
+// Host-side argument checking and result layout shared by the CPU and CUDA
+// cast_with_stats kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "numerics.h"
+
+namespace torchcast {
+
+// "torch.float32" rather than c10's "Float", so errors read like Python.
+std::string dtype_name(at::ScalarType t);
+
+enum class CastKind { kNarrowing, kExact };
+
+// Classifies x.dtype -> dtype, raising a clear error (naming both dtypes and
+// listing the supported pairs) for anything else.
+CastKind classify_cast(at::ScalarType from, at::ScalarType to);
+
+// Checks a preallocated output for cast_with_stats.out.
+void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out);
+
+// The stats of a cast that cannot lose anything: numel only, no pass over x.
+at::Tensor exact_cast_stats(const at::Tensor& x);
+
+// Per-chunk result of the fused pass: exact counts and maxima, compensated sums.
+template <typename From>
+struct ChunkStats {
+  int64_t nan = 0, inexact = 0, overflow = 0, underflow = 0, subnormal = 0;
+  From max_abs_err = 0, max_rel_err = 0;
+  ErrorSums sums;
+
+  void merge(const ChunkStats& o) {
+    nan += o.nan;
+    inexact += o.inexact;
+    overflow += o.overflow;
+    underflow += o.underflow;
+    subnormal += o.subnormal;
+    max_abs_err = o.max_abs_err > max_abs_err ? o.max_abs_err : max_abs_err;
+    max_rel_err = o.max_rel_err > max_rel_err ? o.max_rel_err : max_rel_err;
+    sums.merge(o.sums);
+  }
+
+  void write(double* out, int64_t numel) const {
+    out[kNumel] = static_cast<double>(numel);
+    out[kNan] = static_cast<double>(nan);
+    out[kInexact] = static_cast<double>(inexact);
+    out[kOverflow] = static_cast<double>(overflow);
+    out[kUnderflow] = static_cast<double>(underflow);
+    out[kSubnormal] = static_cast<double>(subnormal);
+    out[kMaxAbsErr] = static_cast<double>(max_abs_err);
+    out[kMaxRelErr] = static_cast<double>(max_rel_err);
+    out[kSumAbsErr] = static_cast<double>(sums.abs_s) + sums.abs_c;
+    out[kSumSqErr] = static_cast<double>(sums.sq_err_s) + sums.sq_err_c;
+    out[kSumSq] = static_cast<double>(sums.sq_s) + sums.sq_c;
+  }
+};
+
+}  // namespace torchcast

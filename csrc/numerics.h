@@ -1,0 +1,251 @@
+// Numeric helpers shared by the CPU and CUDA kernels: correctly rounded
+// narrowing, the Neumaier compensation step, and the canonical reduction order
+// that makes the statistics bit-identical across thread counts and devices.
+//
+// Everything here must be compiled without -ffast-math / --use_fast_math and
+// without FMA contraction (-ffp-contract=off, --fmad=false): reassociation
+// deletes the compensation term and contraction changes the rounded results.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define TC_HD __host__ __device__ __forceinline__
+#else
+#define TC_HD inline __attribute__((always_inline))
+#endif
+
+namespace torchcast {
+
+template <typename To, typename From>
+TC_HD To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+#if defined(__CUDACC__)
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+#else
+  return __builtin_bit_cast(To, from);  // memcpy would block gcc's vectorizer
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Layout of the float64 stats tensor returned by cast_with_stats. Counts are
+// stored in float64, exact up to 2^53 elements.
+enum StatIndex : int {
+  kNumel = 0,
+  kNan,
+  kInexact,
+  kOverflow,
+  kUnderflow,
+  kSubnormal,
+  kMaxAbsErr,
+  kMaxRelErr,
+  kSumAbsErr,
+  kSumSqErr,
+  kSumSq,
+  kNumStats
+};
+
+// ---------------------------------------------------------------------------
+// Neumaier's variant of Kahan summation: the compensation also captures the
+// low bits of the running sum when the new term is the larger one.
+TC_HD void neumaier_add(float& sum, float& comp, float v) {
+  const float t = sum + v;
+  const bool sum_bigger = fabsf(sum) >= fabsf(v);
+  const float big = sum_bigger ? sum : v;
+  const float small = sum_bigger ? v : sum;
+  comp += (big - t) + small;
+  sum = t;
+}
+
+// Folds the compensated pair (s2, c2) into (s, c).
+TC_HD void neumaier_merge(float& s, float& c, float s2, float c2) {
+  neumaier_add(s, c, s2);
+  neumaier_add(s, c, c2);
+}
+
+// ---------------------------------------------------------------------------
+// Narrowing with round-to-nearest-even, written with bit operations so that
+// the CPU and CUDA kernels produce identical bits (NaN payloads included).
+
+// Every path below is computed and then selected, without branches, so that
+// the CPU loops vectorize.
+
+// float32 -> float16 bits. The subnormal path lets the FPU do the rounding by
+// adding 0.5f, whose ulp (2^-24) is the float16 subnormal spacing. The normal
+// path rebiases the exponent (127 -> 15) and adds just under half an ulp plus
+// the odd bit: ties go to even, and a carry out of the mantissa bumps the
+// exponent (up to inf for [65520, 65536)).
+TC_HD uint16_t half_bits_from_float(float f) {
+  const uint32_t w = bit_cast<uint32_t>(f);
+  const uint32_t sign = (w >> 16) & 0x8000u;
+  const uint32_t u = w & 0x7fffffffu;
+  const uint32_t special = u > 0x7f800000u ? 0x7e00u : 0x7c00u;  // quiet NaN or inf
+  const uint32_t subnormal = bit_cast<uint32_t>(bit_cast<float>(u) + 0.5f) - 0x3f000000u;
+  const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
+  const uint32_t mag = u >= 0x47800000u ? special : (u < 0x38800000u ? subnormal : normal);
+  return static_cast<uint16_t>(sign | mag);
+}
+
+TC_HD uint16_t bfloat16_bits_from_float(float f) {
+  const uint32_t u = bit_cast<uint32_t>(f);
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;  // sign kept
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+TC_HD float float_from_half_bits(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  const uint32_t special = 0x7f800000u | ((em & 0x3ffu) << 13);
+  const uint32_t normal = (em + (112u << 10)) << 13;
+  // Subnormal or zero: em * 2^-24 is exact in float32.
+  const uint32_t subnormal = bit_cast<uint32_t>(static_cast<float>(em) * 5.9604644775390625e-8f);
+  const uint32_t mag = em >= 0x7c00u ? special : (em >= 0x0400u ? normal : subnormal);
+  return bit_cast<float>(sign | mag);
+}
+
+TC_HD float float_from_bfloat16_bits(uint16_t b) {
+  return bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
+
+// float64 -> float32 rounded to odd: truncate toward zero and set the last bit
+// when inexact. A second round-to-nearest-even from float32 (24 bits) to a
+// format of p <= 22 bits then equals one correct rounding from float64
+// (Boldo & Melquiond, "When double rounding is odd"). torch's own
+// float64 -> float16/bfloat16 cast rounds to nearest twice instead.
+TC_HD float float_round_to_odd(double d) {
+  const float f = static_cast<float>(d);
+  const double back = static_cast<double>(f);
+  const uint32_t u = bit_cast<uint32_t>(f);
+  const uint32_t toward_zero = fabs(back) > fabs(d) ? u - 1u : u;
+  const bool inexact = back != d && f == f;
+  return bit_cast<float>(inexact ? (toward_zero | 1u) : u);
+}
+
+// Target formats: storage bits, correctly rounded narrowing from float32 or
+// float64, exact widening back, and the smallest normal magnitude.
+struct Float32Target {
+  using storage = float;
+  static constexpr float min_normal = 1.17549435082228750797e-38f;
+  TC_HD static float round(double d) { return static_cast<float>(d); }
+  TC_HD static float round(float f) { return f; }
+  TC_HD static float widen(float s) { return s; }
+};
+
+struct Float16Target {
+  using storage = uint16_t;
+  static constexpr float min_normal = 6.103515625e-05f;
+  TC_HD static uint16_t round(float f) { return half_bits_from_float(f); }
+  TC_HD static uint16_t round(double d) { return half_bits_from_float(float_round_to_odd(d)); }
+  TC_HD static float widen(uint16_t s) { return float_from_half_bits(s); }
+};
+
+struct BFloat16Target {
+  using storage = uint16_t;
+  static constexpr float min_normal = 1.17549435082228750797e-38f;
+  TC_HD static uint16_t round(float f) { return bfloat16_bits_from_float(f); }
+  TC_HD static uint16_t round(double d) { return bfloat16_bits_from_float(float_round_to_odd(d)); }
+  TC_HD static float widen(uint16_t s) { return float_from_bfloat16_bits(s); }
+};
+
+// ---------------------------------------------------------------------------
+// What one element contributes to the statistics. The error terms are over
+// finite x whose y is finite; the relative error also needs x != 0.
+template <typename Target, typename From>
+struct ElementMeasure {
+  typename Target::storage y;
+  bool nan, inexact, overflow, underflow, subnormal;
+  From abs_err, rel_err;
+  float abs_err_f, sq_err_f, sq_f;
+
+  TC_HD explicit ElementMeasure(From x) {
+    y = Target::round(x);
+    const From back = static_cast<From>(Target::widen(y));
+    // x - x is 0 exactly for finite x and NaN for inf/NaN: a branch-free test.
+    const bool x_finite = (x - x) == From(0);
+    const bool y_finite = (back - back) == From(0);
+    const bool measured = x_finite && y_finite;
+    nan = x != x;
+    inexact = x_finite && back != x;
+    overflow = x_finite && !y_finite;
+    underflow = x != From(0) && back == From(0);
+    subnormal = back != From(0) && fabs(back) < From(Target::min_normal);
+    // x - back is exact: a value minus its rounding to a narrower format.
+    abs_err = measured ? fabs(x - back) : From(0);
+    const From denom = (measured && x != From(0)) ? fabs(x) : From(1);
+    rel_err = abs_err / denom;
+    abs_err_f = static_cast<float>(abs_err);
+    sq_err_f = static_cast<float>(abs_err * abs_err);
+    sq_f = measured ? static_cast<float>(x * x) : 0.f;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Canonical reduction order for the compensated sums (counts and maxima are
+// exact in any order). A chunk of kChunk consecutive elements (in
+// TensorIterator order) is one CUDA block or one CPU task. Inside a chunk,
+// element e goes to lane e % lanes, lanes = kBlockThreads * vec, where vec is
+// the number of source elements in 16 bytes: a CUDA thread t owns lanes
+// [t*vec, t*vec+vec) and feeds them from one vector load. Each lane sums its
+// elements in order. Lanes are then combined by the tree a CUDA block uses
+// (per thread, then shuffle-down inside each warp, then across warps), and the
+// chunk partials by the same tree. The CPU kernel emulates this tree exactly.
+constexpr int kBlockThreads = 128;
+constexpr int kWarp = 32;
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+template <typename From>
+constexpr int vec_of() { return static_cast<int>(16 / sizeof(From)); }
+
+template <typename From>
+constexpr int lanes_of() { return kBlockThreads * vec_of<From>(); }
+
+// A compensated triple: sum |x - y|, sum (x - y)^2 and sum x^2.
+struct ErrorSums {
+  float abs_s = 0.f, abs_c = 0.f;
+  float sq_err_s = 0.f, sq_err_c = 0.f;
+  float sq_s = 0.f, sq_c = 0.f;
+
+  TC_HD void merge(const ErrorSums& o) {
+    neumaier_merge(abs_s, abs_c, o.abs_s, o.abs_c);
+    neumaier_merge(sq_err_s, sq_err_c, o.sq_err_s, o.sq_err_c);
+    neumaier_merge(sq_s, sq_c, o.sq_s, o.sq_c);
+  }
+};
+
+// Reduces kBlockThreads per-thread values (already combined over their vec
+// lanes, lane 0 first) in place, in the order of a CUDA block doing
+// shuffle-down within warps and then across the warps' results. The result is
+// in v[0]. Host-side emulation of the device tree.
+template <typename T>
+inline void block_tree_reduce(T* v) {
+  for (int w = 0; w < kBlockThreads; w += kWarp) {
+    for (int off = kWarp / 2; off > 0; off /= 2) {
+      for (int i = 0; i < off; ++i) v[w + i].merge(v[w + i + off]);
+    }
+  }
+  constexpr int warps = kBlockThreads / kWarp;
+  for (int off = warps / 2; off > 0; off /= 2) {
+    for (int i = 0; i < off; ++i) v[i * kWarp].merge(v[(i + off) * kWarp]);
+  }
+}
+
+// Reduces n chunk partials (anything with merge()) into out, in the order of
+// the CUDA finishing pass: thread t folds partials t, t + kBlockThreads, ...
+// in sequence, then the block tree combines the threads.
+template <typename T>
+inline T reduce_partials(const T* partials, int64_t n) {
+  T acc[kBlockThreads];
+  for (int t = 0; t < kBlockThreads; ++t) {
+    acc[t] = T();
+    for (int64_t i = t; i < n; i += kBlockThreads) acc[t].merge(partials[i]);
+  }
+  block_tree_reduce(acc);
+  return acc[0];
+}
+
+}  // namespace torchcast

@@ -1,0 +1,47 @@
+// The one registration point: op schemas, their per-backend kernels, and the
+// Python module that loading torchcast._C needs.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+extern "C" {
+// An empty module: importing torchcast._C runs the static registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  PyObject* module = PyModule_Create(&module_def);
+#ifdef TORCHCAST_WITH_CUDA
+  PyModule_AddIntConstant(module, "with_cuda", 1);
+#else
+  PyModule_AddIntConstant(module, "with_cuda", 0);
+#endif
+  return module;
+}
+}
+
+TORCH_LIBRARY(torchcast, m) {
+  m.def("cast_with_stats(Tensor x, ScalarType dtype) -> (Tensor y, Tensor stats)");
+  m.def("cast_with_stats.out(Tensor x, ScalarType dtype, *, Tensor(a!) out) -> Tensor stats");
+}
+
+TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
+  m.impl("cast_with_stats", &torchcast::cast_with_stats_cpu);
+  m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cpu);
+}
+
+#ifdef TORCHCAST_WITH_CUDA
+TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+  m.impl("cast_with_stats", &torchcast::cast_with_stats_cuda);
+  m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cuda);
+}
+#endif
+
+// Autocast passes the cast through untouched: re-casting x before the op
+// would hide the very error being measured, and y must keep the dtype asked
+// for. An explicit fallthrough states this instead of relying on the default.
+TORCH_LIBRARY_IMPL(torchcast, AutocastCPU, m) {
+  m.impl("cast_with_stats", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(torchcast, AutocastCUDA, m) {
+  m.impl("cast_with_stats", torch::CppFunction::makeFallthrough());
+}

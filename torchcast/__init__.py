@@ -1,0 +1,2 @@
+"""torchcast: accountable dtype casts and compensated low-precision arithmetic."""
+from . import _ops  # loads the compiled kernels and registers the ops

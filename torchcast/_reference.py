@@ -1,0 +1,171 @@
+"""Pure-PyTorch cast_with_stats: the fallback for devices without torchcast
+kernels, and an independent restatement of the kernels' arithmetic.
+
+It reproduces the kernels bit for bit: the same correctly rounded y (round to
+odd in float32, then to nearest even) and the same statistics, including the
+compensated float32 sums, which it reduces in the canonical order described
+in csrc/numerics.h (chunks, lanes, then the block tree)."""
+import torch
+
+STAT_FIELDS = (
+    "numel", "nan", "inexact", "overflow", "underflow", "subnormal",
+    "max_abs_err", "max_rel_err", "sum_abs_err", "sum_sq_err", "sum_sq",
+)
+
+# Mirrors csrc/numerics.h.
+BLOCK_THREADS = 128
+WARP = 32
+CHUNK = 1 << 16
+
+_RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
+LOSSY_PAIRS = (
+    (torch.float64, torch.float32), (torch.float64, torch.float16),
+    (torch.float64, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+)
+
+
+def dtype_name(dtype):
+    return str(dtype)
+
+
+def classify_cast(src, dst):
+    """'lossy' or 'exact'; TypeError (as the C++ op raises) for anything else."""
+    rs, rd = _RANK.get(src, 0), _RANK.get(dst, 0)
+    if rs == 0 or rd == 0 or (rs == rd == 1 and src != dst):
+        pairs = ", ".join(f"{str(a)[6:]}->{str(b)[6:]}" for a, b in LOSSY_PAIRS)
+        raise TypeError(
+            f"torchcast.cast_with_stats: cannot measure a cast of x from {dtype_name(src)} "
+            f"to {dtype_name(dst)}; supported lossy pairs: {pairs}; widening and same-dtype "
+            "casts between float16/bfloat16/float32/float64 are exact. For other casts use "
+            "x.to(dtype).")
+    return "lossy" if rs > rd else "exact"
+
+
+def round_to_odd_float32(x):
+    """float64 -> float32 rounded to odd (see csrc/numerics.h)."""
+    f = x.to(torch.float32)
+    back = f.to(torch.float64)
+    bits = f.view(torch.int32)
+    toward_zero = torch.where(back.abs() > x.abs(), bits - 1, bits)
+    inexact = (back != x) & ~torch.isnan(f)
+    return torch.where(inexact, toward_zero | 1, bits).view(torch.float32)
+
+
+def correctly_rounded(x, dtype):
+    if x.dtype == torch.float64 and dtype in (torch.float16, torch.bfloat16):
+        return round_to_odd_float32(x).to(dtype)
+    return x.to(dtype)
+
+
+_MIN_NORMAL = {
+    torch.float32: torch.finfo(torch.float32).tiny,
+    torch.float16: torch.finfo(torch.float16).tiny,
+    torch.bfloat16: torch.finfo(torch.bfloat16).tiny,
+}
+
+
+def _neumaier_add(s, c, v):
+    t = s + v
+    bigger = s.abs() >= v.abs()
+    big = torch.where(bigger, s, v)
+    small = torch.where(bigger, v, s)
+    return t, c + ((big - t) + small)
+
+
+def _merge(a, b):
+    """Folds compensated pairs b = (s2, c2) into a = (s, c), elementwise."""
+    s, c = _neumaier_add(a[0], a[1], b[0])
+    return _neumaier_add(s, c, b[1])
+
+
+def _block_tree(s, c):
+    """Reduces the last dim (BLOCK_THREADS values) in the CUDA block's order."""
+    s = s.unflatten(-1, (BLOCK_THREADS // WARP, WARP))
+    c = c.unflatten(-1, (BLOCK_THREADS // WARP, WARP))
+    off = WARP // 2
+    while off:
+        s_lo, c_lo = _merge((s[..., :off], c[..., :off]), (s[..., off:2 * off], c[..., off:2 * off]))
+        s = torch.cat([s_lo, s[..., off:]], -1)
+        c = torch.cat([c_lo, c[..., off:]], -1)
+        off //= 2
+    s, c = s[..., 0], c[..., 0]  # one value per warp
+    off = s.shape[-1] // 2
+    while off:
+        s_lo, c_lo = _merge((s[..., :off], c[..., :off]), (s[..., off:2 * off], c[..., off:2 * off]))
+        s = torch.cat([s_lo, s[..., off:]], -1)
+        c = torch.cat([c_lo, c[..., off:]], -1)
+        off //= 2
+    return s[..., 0], c[..., 0]
+
+
+def canonical_sum(terms, elem_size):
+    """Compensated float32 sum of a 1-D float32 tensor in the kernels' order."""
+    vec = 16 // elem_size
+    lanes = BLOCK_THREADS * vec
+    n = terms.numel()
+    nchunks = max(1, -(-n // CHUNK))
+    padded = torch.zeros(nchunks * CHUNK, dtype=torch.float32, device=terms.device)
+    padded[:n] = terms
+    v = padded.view(nchunks, CHUNK // lanes, lanes)
+    s = torch.zeros(nchunks, lanes, dtype=torch.float32, device=terms.device)
+    c = torch.zeros_like(s)
+    for step in range(v.shape[1]):
+        s, c = _neumaier_add(s, c, v[:, step])
+    # Per thread: its vec lanes in order, starting from an empty sum.
+    s, c = s.view(nchunks, BLOCK_THREADS, vec), c.view(nchunks, BLOCK_THREADS, vec)
+    ts, tc = torch.zeros_like(s[..., 0]), torch.zeros_like(c[..., 0])
+    for j in range(vec):
+        ts, tc = _merge((ts, tc), (s[..., j], c[..., j]))
+    ps, pc = _block_tree(ts, tc)  # one compensated pair per chunk
+    # Chunk partials: thread t folds partials t, t + BLOCK_THREADS, ...
+    rows = -(-nchunks // BLOCK_THREADS)
+    grid_s = torch.zeros(rows * BLOCK_THREADS, dtype=torch.float32, device=terms.device)
+    grid_c = torch.zeros_like(grid_s)
+    grid_s[:nchunks], grid_c[:nchunks] = ps, pc
+    grid_s, grid_c = grid_s.view(rows, BLOCK_THREADS), grid_c.view(rows, BLOCK_THREADS)
+    ts, tc = torch.zeros(BLOCK_THREADS, device=terms.device), torch.zeros(BLOCK_THREADS, device=terms.device)
+    for r in range(rows):
+        ts, tc = _merge((ts, tc), (grid_s[r], grid_c[r]))
+    s, c = _block_tree(ts, tc)
+    return s.double() + c.double()
+
+
+def iteration_order(t, layout):
+    """Flattens t (shaped like layout) in TensorIterator's order for an output
+    with layout's strides: outermost stride first."""
+    dims = sorted(range(layout.dim()), key=lambda d: (layout.stride(d), layout.size(d)), reverse=True)
+    return t.permute(dims).reshape(-1)
+
+
+def cast_with_stats(x, dtype, out=None):
+    kind = classify_cast(x.dtype, dtype)
+    y = torch.empty_like(x, dtype=dtype) if out is None else out
+    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=x.device)
+    stats[0] = x.numel()
+    if kind == "exact":
+        y.copy_(x)
+        return y, stats
+    y.copy_(correctly_rounded(x, dtype))
+    xf = iteration_order(x, y)
+    back = iteration_order(y, y).to(x.dtype)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    x_finite, y_finite = torch.isfinite(xf), torch.isfinite(back)
+    measured = x_finite & y_finite
+    abs_err = torch.where(measured, (xf - back).abs(), zero)
+    denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))
+    rel_err = abs_err / denom
+    stats[1] = torch.isnan(xf).sum()
+    stats[2] = (x_finite & (back != xf)).sum()
+    stats[3] = (x_finite & ~y_finite).sum()
+    stats[4] = ((xf != 0) & (back == 0)).sum()
+    stats[5] = ((back != 0) & (back.abs() < _MIN_NORMAL[dtype])).sum()
+    if xf.numel():
+        stats[6] = abs_err.max()
+        stats[7] = rel_err.max()
+    size = x.element_size()
+    stats[8] = canonical_sum(abs_err.float(), size)
+    stats[9] = canonical_sum((abs_err * abs_err).float(), size)
+    stats[10] = canonical_sum(torch.where(measured, xf * xf, zero).float(), size)
+    return y, stats
+
