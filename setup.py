@@ -23,15 +23,20 @@ def extension():
     cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # No -ffast-math anywhere: reassociation deletes the Kahan compensation.
     # No FMA contraction either: CPU and CUDA must round every step alike.
-    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
-           "-std=c++17"]
+    # No -std: torch's BuildExtension adds the one its headers need (c++20
+    # from torch 2.14 on, which refuses c++17).
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
     if not want_cuda():
         return CppExtension(
             "torchcast._C", cpu_sources,
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
-    nvcc = ["-O3", "--fmad=false", "-std=c++17", "-DTORCHCAST_WITH_CUDA",
-            "--expt-relaxed-constexpr"]
+    nvcc = ["-O3", "--fmad=false", "-DTORCHCAST_WITH_CUDA",
+            "--expt-relaxed-constexpr",
+            # nvcc's defaults, stated: IEEE division and sqrt, subnormals kept,
+            # as on the CPU (the stats must match it bit for bit).
+            "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
+            "-Xcompiler=-ffp-contract=off"]
     return CUDAExtension(
         "torchcast._C", cpu_sources + sorted(glob.glob("csrc/cuda/*.cu")),
         extra_compile_args={"cxx": cxx + ["-DTORCHCAST_WITH_CUDA"], "nvcc": nvcc},

@@ -26,13 +26,15 @@ void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor&
 at::Tensor exact_cast_stats(const at::Tensor& x);
 
 // Per-chunk result of the fused pass: exact counts and maxima, compensated sums.
+// merge() and write() are TC_HD: the CUDA kernels reduce and write these on
+// the device, in the same order as the CPU.
 template <typename From>
 struct ChunkStats {
   int64_t nan = 0, inexact = 0, overflow = 0, underflow = 0, subnormal = 0;
   From max_abs_err = 0, max_rel_err = 0;
   ErrorSums sums;
 
-  void merge(const ChunkStats& o) {
+  TC_HD void merge(const ChunkStats& o) {
     nan += o.nan;
     inexact += o.inexact;
     overflow += o.overflow;
@@ -43,7 +45,7 @@ struct ChunkStats {
     sums.merge(o.sums);
   }
 
-  void write(double* out, int64_t numel) const {
+  TC_HD void write(double* out, int64_t numel) const {
     out[kNumel] = static_cast<double>(numel);
     out[kNan] = static_cast<double>(nan);
     out[kInexact] = static_cast<double>(inexact);

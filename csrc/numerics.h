@@ -112,13 +112,30 @@ TC_HD float float_from_bfloat16_bits(uint16_t b) {
   return bit_cast<float>(static_cast<uint32_t>(b) << 16);
 }
 
+// float64 -> float32 of a NaN as x86 (and AArch64) convert it: sign kept,
+// quieted, the top 23 payload bits. A GPU's conversion returns a canonical NaN
+// instead, so every float64 -> float32 step below selects this explicitly and
+// y is the same bits on every device.
+TC_HD float float_from_double_nan(double d) {
+  const uint64_t b = bit_cast<uint64_t>(d);
+  const uint32_t sign = static_cast<uint32_t>(b >> 32) & 0x80000000u;
+  const uint32_t payload = static_cast<uint32_t>(b >> 29) & 0x007fffffu;
+  return bit_cast<float>(sign | 0x7fc00000u | payload);
+}
+
+// float64 -> float32 rounded to nearest even, NaNs as above.
+TC_HD float float_from_double(double d) {
+  const float f = static_cast<float>(d);
+  return d != d ? float_from_double_nan(d) : f;
+}
+
 // float64 -> float32 rounded to odd: truncate toward zero and set the last bit
 // when inexact. A second round-to-nearest-even from float32 (24 bits) to a
 // format of p <= 22 bits then equals one correct rounding from float64
 // (Boldo & Melquiond, "When double rounding is odd"). torch's own
 // float64 -> float16/bfloat16 cast rounds to nearest twice instead.
 TC_HD float float_round_to_odd(double d) {
-  const float f = static_cast<float>(d);
+  const float f = float_from_double(d);
   const double back = static_cast<double>(f);
   const uint32_t u = bit_cast<uint32_t>(f);
   const uint32_t toward_zero = fabs(back) > fabs(d) ? u - 1u : u;
@@ -131,7 +148,7 @@ TC_HD float float_round_to_odd(double d) {
 struct Float32Target {
   using storage = float;
   static constexpr float min_normal = 1.17549435082228750797e-38f;
-  TC_HD static float round(double d) { return static_cast<float>(d); }
+  TC_HD static float round(double d) { return float_from_double(d); }
   TC_HD static float round(float f) { return f; }
   TC_HD static float widen(float s) { return s; }
 };

@@ -1,0 +1,346 @@
+// cast_with_stats on CUDA: one pass over x that writes the correctly rounded y
+// and reduces the error statistics, in the canonical order of numerics.h, so
+// that y and the stats are bit-identical to the CPU op's and run to run.
+//
+// One block of kBlockThreads threads handles one chunk of kChunk elements at a
+// time (grid-stride over chunks, grid sized from the SM count). Thread t owns
+// lanes [t*vec, t*vec+vec) of every lanes-wide step of its chunk and feeds
+// them from one 16-byte load; each lane is a sequential Neumaier sum. The
+// chunk's per-thread results are combined by warp shuffles and then across the
+// warps, and each chunk writes one partial; a second one-block kernel reduces
+// the partials (no float atomics) and writes the stats tensor on the device,
+// so the op never synchronizes with the host.
+#include <ATen/ATen.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/detail/OffsetCalculator.cuh>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#include "../cast_common.h"
+#include "../ops.h"
+
+namespace torchcast {
+namespace {
+
+constexpr int kWarps = kBlockThreads / kWarp;
+// 16-byte loads each thread issues before consuming them: enough bytes in
+// flight per SM to cover DRAM latency at full occupancy.
+constexpr int kLoadBatch = 4;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packet {
+  T v[N];
+};
+
+// Shuffles a trivially copyable struct down the warp, 32 bits at a time.
+template <typename T>
+__device__ __forceinline__ T shfl_down(const T& value, int offset) {
+  static_assert(sizeof(T) % sizeof(uint32_t) == 0, "shuffle moves 32-bit words");
+  constexpr int kWords = sizeof(T) / sizeof(uint32_t);
+  uint32_t w[kWords];
+  memcpy(w, &value, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) w[i] = __shfl_down_sync(0xffffffffu, w[i], offset);
+  T out;
+  memcpy(&out, w, sizeof(T));
+  return out;
+}
+
+// The block tree of block_tree_reduce (numerics.h): shuffle-down inside each
+// warp (lane i merges lane i + offset), then the warps' results by the same
+// pattern. The result is valid in thread 0. smem holds kWarps values and may
+// be reused once this returns.
+template <typename T>
+__device__ __forceinline__ T block_reduce(T value, T* smem) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) value.merge(shfl_down(value, offset));
+  if (threadIdx.x % kWarp == 0) smem[threadIdx.x / kWarp] = value;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
+      for (int i = 0; i < offset; ++i) smem[i].merge(smem[i + offset]);
+    }
+    value = smem[0];
+  }
+  __syncthreads();
+  return value;
+}
+
+// Uninitialized shared storage for kWarps values: __shared__ variables cannot
+// have constructors, and ChunkStats has default member initializers.
+template <typename T>
+__device__ __forceinline__ T* shared_scratch() {
+  __shared__ alignas(T) unsigned char raw[kWarps * sizeof(T)];
+  return reinterpret_cast<T*>(raw);
+}
+
+// One thread's share of a chunk: vec compensated lanes, exact counts, maxima.
+template <typename From, typename Target>
+struct ThreadStats {
+  static constexpr int kVec = vec_of<From>();
+  ErrorSums lane[kVec];
+  // At most kChunk / kBlockThreads elements per thread and chunk.
+  int32_t nan = 0, inexact = 0, overflow = 0, underflow = 0, subnormal = 0;
+  From max_abs = 0, max_rel = 0;
+
+  // Measures x into lane v (a compile-time index after unrolling, so that the
+  // lanes stay in registers) and returns the rounded value.
+  __device__ __forceinline__ typename Target::storage add(int v, From x) {
+    const ElementMeasure<Target, From> m(x);
+    nan += m.nan;
+    inexact += m.inexact;
+    overflow += m.overflow;
+    underflow += m.underflow;
+    subnormal += m.subnormal;
+    neumaier_add(lane[v].abs_s, lane[v].abs_c, m.abs_err_f);
+    neumaier_add(lane[v].sq_err_s, lane[v].sq_err_c, m.sq_err_f);
+    neumaier_add(lane[v].sq_s, lane[v].sq_c, m.sq_f);
+    max_abs = m.abs_err > max_abs ? m.abs_err : max_abs;
+    max_rel = m.rel_err > max_rel ? m.rel_err : max_rel;
+    return m.y;
+  }
+
+  // Lanes merged lane 0 first into an empty sum, as LaneState::finish does.
+  __device__ __forceinline__ ChunkStats<From> finish() const {
+    ChunkStats<From> out;
+    out.nan = nan;
+    out.inexact = inexact;
+    out.overflow = overflow;
+    out.underflow = underflow;
+    out.subnormal = subnormal;
+    out.max_abs_err = max_abs;
+    out.max_rel_err = max_rel;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out.sums.merge(lane[v]);
+    return out;
+  }
+};
+
+// Where linear (TensorIterator-order) index i lives in y and x, in elements.
+struct ElementOffsets {
+  int64_t y, x;
+};
+
+// Both operands contiguous in iteration order.
+struct LinearOffsets {
+  __device__ __forceinline__ ElementOffsets operator()(int64_t i) const { return {i, i}; }
+};
+
+// Any strides, through TensorIterator's own offset calculator (operand 0 is
+// y, operand 1 is x), so the order is the CPU kernel's without a copy.
+// Index is uint32_t where TensorIterator allows 32-bit indexing (cheap
+// divisions), uint64_t otherwise.
+template <typename Index>
+struct IterOffsets {
+  OffsetCalculator<2, Index> calc;
+  __device__ __forceinline__ ElementOffsets operator()(int64_t i) const {
+    const auto o = calc.get(static_cast<Index>(i));
+    return {static_cast<int64_t>(o[0]), static_cast<int64_t>(o[1])};
+  }
+};
+
+template <typename Index>
+IterOffsets<Index> iter_offsets(const at::TensorIteratorBase& iter) {
+  const std::array<const int64_t*, 2> strides{iter.strides(0).data(), iter.strides(1).data()};
+  const std::array<int64_t, 2> element_sizes{iter.element_size(0), iter.element_size(1)};
+  return {OffsetCalculator<2, Index>(iter.ndim(), iter.shape().data(), strides.data(),
+                                     element_sizes.data())};
+}
+
+// Elements [first, n) of the chunk starting at linear index base, one scalar
+// access each, with the lane mapping of the vector path.
+template <typename From, typename Target, typename Offsets>
+__device__ __forceinline__ void scalar_steps(ThreadStats<From, Target>& st,
+                                             const From* __restrict__ x,
+                                             typename Target::storage* __restrict__ y,
+                                             const Offsets& offsets, int64_t base, int first,
+                                             int n) {
+  constexpr int kVec = vec_of<From>();
+  constexpr int kLanes = lanes_of<From>();
+  for (int s = first; s < n; s += kLanes) {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const int e = s + static_cast<int>(threadIdx.x) * kVec + v;
+      if (e < n) {
+        const ElementOffsets o = offsets(base + e);
+        y[o.y] = st.add(v, x[o.x]);
+      }
+    }
+  }
+}
+
+// Full lanes-wide steps of a contiguous chunk whose x is 16-byte aligned and
+// whose y is aligned to vec elements: one 16-byte load and one vec-wide store
+// per thread and step, kLoadBatch loads in flight.
+template <typename From, typename Target>
+__device__ __forceinline__ int vector_steps(ThreadStats<From, Target>& st,
+                                            const From* __restrict__ x,
+                                            typename Target::storage* __restrict__ y, int n) {
+  using Storage = typename Target::storage;
+  constexpr int kVec = vec_of<From>();
+  constexpr int kLanes = lanes_of<From>();
+  const int steps = n / kLanes;
+  const From* xt = x + threadIdx.x * kVec;
+  Storage* yt = y + threadIdx.x * kVec;
+  auto consume = [&](const Packet<From, kVec>& in, int s) {
+    Packet<Storage, kVec> out;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out.v[v] = st.add(v, in.v[v]);
+    *reinterpret_cast<Packet<Storage, kVec>*>(yt + s * kLanes) = out;
+  };
+  int s = 0;
+  for (; s + kLoadBatch <= steps; s += kLoadBatch) {
+    Packet<From, kVec> in[kLoadBatch];
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      in[u] = *reinterpret_cast<const Packet<From, kVec>*>(xt + (s + u) * kLanes);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) consume(in[u], s + u);
+  }
+  for (; s < steps; ++s) consume(*reinterpret_cast<const Packet<From, kVec>*>(xt + s * kLanes), s);
+  return steps * kLanes;
+}
+
+template <typename From, typename Target, typename Offsets, bool kVector>
+__global__ void __launch_bounds__(kBlockThreads)
+    cast_stats_kernel(const From* __restrict__ x, typename Target::storage* __restrict__ y,
+                      Offsets offsets, int64_t numel, ChunkStats<From>* __restrict__ partials) {
+  ChunkStats<From>* smem = shared_scratch<ChunkStats<From>>();
+  const int64_t nchunks = (numel + kChunk - 1) / kChunk;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t base = c * kChunk;
+    const int64_t rest = numel - base;  // std::min would take kChunk by reference: host-only
+    const int n = static_cast<int>(rest < kChunk ? rest : kChunk);
+    ThreadStats<From, Target> st;
+    int done = 0;
+    if constexpr (kVector) done = vector_steps(st, x + base, y + base, n);
+    scalar_steps(st, x, y, offsets, base, done, n);
+    const ChunkStats<From> chunk = block_reduce(st.finish(), smem);
+    if (threadIdx.x == 0) partials[c] = chunk;
+  }
+}
+
+// reduce_partials (numerics.h) on the device: thread t folds partials t,
+// t + kBlockThreads, ... in order, then the block tree; thread 0 writes stats.
+template <typename From>
+__global__ void __launch_bounds__(kBlockThreads)
+    finish_stats_kernel(const ChunkStats<From>* __restrict__ partials, int64_t nchunks,
+                        int64_t numel, double* __restrict__ stats) {
+  ChunkStats<From> acc;
+  for (int64_t i = threadIdx.x; i < nchunks; i += kBlockThreads) acc.merge(partials[i]);
+  acc = block_reduce(acc, shared_scratch<ChunkStats<From>>());
+  if (threadIdx.x == 0) acc.write(stats, numel);
+}
+
+template <typename From, typename Target, typename Offsets, bool kVector>
+void launch_cast(const From* x, typename Target::storage* y, const Offsets& offsets,
+                 int64_t numel, ChunkStats<From>* partials, cudaStream_t stream) {
+  const auto kernel = cast_stats_kernel<From, Target, Offsets, kVector>;
+  // Residency depends only on the kernel and the architecture; cached once
+  // per kernel (a mixed-architecture machine would get a suboptimal grid
+  // size, never a different result: the chunking fixes the order).
+  static const int blocks_per_sm = [&] {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlockThreads, 0));
+    return std::max(blocks, 1);
+  }();
+  const int64_t resident =
+      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+      blocks_per_sm;
+  const int64_t nchunks = (numel + kChunk - 1) / kChunk;
+  // As many rounds as the resident blocks need, then as few blocks as cover
+  // the chunks in that many rounds, so every block does the same work (+-1).
+  const int64_t rounds = (nchunks + resident - 1) / resident;
+  const int64_t grid = (nchunks + rounds - 1) / rounds;
+  kernel<<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(x, y, offsets, numel, partials);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename From, typename Target>
+at::Tensor narrowing_cast_cuda(const at::Tensor& x, at::Tensor& y) {
+  using Storage = typename Target::storage;
+  constexpr int kVec = vec_of<From>();
+
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(y)
+                  .add_const_input(x)
+                  .check_all_same_dtype(false)
+                  .resize_outputs(false)
+                  .build();
+  const int64_t numel = iter.numel();
+  const int64_t nchunks = (numel + kChunk - 1) / kChunk;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  auto stats = at::empty({kNumStats}, x.options().dtype(at::kDouble));
+  auto partial_bytes = at::empty(
+      {std::max<int64_t>(nchunks, 1) * static_cast<int64_t>(sizeof(ChunkStats<From>))},
+      x.options().dtype(at::kByte));
+  auto* partials = static_cast<ChunkStats<From>*>(partial_bytes.data_ptr());
+
+  if (numel > 0) {
+    auto* yp = static_cast<Storage*>(iter.data_ptr(0));
+    const auto* xp = static_cast<const From*>(iter.data_ptr(1));
+    if (iter.is_contiguous()) {
+      const bool aligned = reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(yp) % (kVec * sizeof(Storage)) == 0;
+      if (aligned) {
+        launch_cast<From, Target, LinearOffsets, true>(xp, yp, {}, numel, partials, stream);
+      } else {
+        launch_cast<From, Target, LinearOffsets, false>(xp, yp, {}, numel, partials, stream);
+      }
+    } else if (iter.can_use_32bit_indexing()) {
+      launch_cast<From, Target, IterOffsets<uint32_t>, false>(
+          xp, yp, iter_offsets<uint32_t>(iter), numel, partials, stream);
+    } else {
+      launch_cast<From, Target, IterOffsets<uint64_t>, false>(
+          xp, yp, iter_offsets<uint64_t>(iter), numel, partials, stream);
+    }
+  }
+  finish_stats_kernel<From><<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,
+                                                             stats.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return stats;
+}
+
+// Only the five lossy pairs are instantiated (float32 -> float32 is exact).
+at::Tensor cast_into_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y) {
+  if (classify_cast(x.scalar_type(), dtype) == CastKind::kExact) {
+    y.copy_(x);
+    return exact_cast_stats(x);
+  }
+  if (x.scalar_type() == at::kDouble) {
+    switch (dtype) {
+      case at::kFloat: return narrowing_cast_cuda<double, Float32Target>(x, y);
+      case at::kHalf: return narrowing_cast_cuda<double, Float16Target>(x, y);
+      default: return narrowing_cast_cuda<double, BFloat16Target>(x, y);
+    }
+  }
+  if (dtype == at::kHalf) return narrowing_cast_cuda<float, Float16Target>(x, y);
+  return narrowing_cast_cuda<float, BFloat16Target>(x, y);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> cast_with_stats_cuda(const at::Tensor& x, at::ScalarType dtype) {
+  classify_cast(x.scalar_type(), dtype);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty_like(x, x.options().dtype(dtype));
+  auto stats = cast_into_cuda(x, dtype, y);
+  return {y, stats};
+}
+
+at::Tensor cast_with_stats_out_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out) {
+  classify_cast(x.scalar_type(), dtype);
+  check_cast_out(x, dtype, out);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return cast_into_cuda(x, dtype, out);
+}
+
+}  // namespace torchcast

@@ -1,0 +1,442 @@
+"""cast_with_stats on CUDA: y and stats bit-identical to the CPU op on the same
+data, correctly rounded (against an independent numpy reference), for every
+size class and layout, and well behaved under autocast, torch.compile, opcheck,
+CUDA graphs, side streams and the sync debugger.
+
+Every test here needs a GPU and is skipped, with that reason, without one.
+The CPU op is the oracle for the bits; its own tests check it against numpy
+float64 and math.fsum."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import torchcast  # noqa: F401  (loads the kernels)
+from torchcast import _ops, _reference
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+op = torch.ops.torchcast.cast_with_stats
+LOSSY = _reference.LOSSY_PAIRS
+EXACT = ((torch.float16, torch.float32), (torch.bfloat16, torch.float64),
+         (torch.float32, torch.float32), (torch.float32, torch.float64),
+         (torch.float64, torch.float64))
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32,
+        torch.float16: torch.int16, torch.bfloat16: torch.int16}
+# Every element count where the chunk/lane mapping changes behaviour: empty,
+# a partial first step, exactly one step of lanes (512 for float32, 256 for
+# float64), a partial chunk, one chunk (2^16), a chunk plus a tail, several
+# chunks with a ragged last step.
+SIZES = (0, 1, 7, 255, 256, 257, 511, 512, 513, 4099, 65535, 65536, 65537,
+         3 * 65536 + 1001, (1 << 20) + 17)
+
+
+def pair_id(pair):
+    return f"{str(pair[0])[6:]}->{str(pair[1])[6:]}"
+
+
+def bits(t):
+    return t.contiguous().view(BITS[t.dtype]) if t.dim() else t.reshape(1).view(BITS[t.dtype])
+
+
+def _edge_float64():
+    """Values where rounding, overflow, underflow or double rounding is decided."""
+    vals = [0.0, -0.0, math.inf, -math.inf, 1.0, -1.0, 1 / 3, math.pi,
+            # float16: ties to even, a carry into the exponent, overflow edge
+            1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 - 2 ** -11, 65504.0, 65519.99, 65520.0,
+            -65520.0, 65536.0, 6.103515625e-05, 6.1e-05, 2 ** -24, 2 ** -25,
+            2 ** -25 * (1 + 2 ** -30), 3 * 2 ** -26,
+            # bfloat16 ties and range ends
+            1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.3895313892515355e38, 3.39e38, 2 ** -133,
+            2 ** -134, 1.1754943508222875e-38, 1e-39,
+            # float32 range ends
+            3.4028234663852886e38, 3.4028235677973366e38, 3.5e38, 2 ** -149, 2 ** -150,
+            2 ** -150 * (1 + 2 ** -40), 1e-310, 5e-324, 1e300, -1e-300,
+            # double rounding through float32 goes wrong on these (the float32
+            # step makes a tie that round-to-nearest-even then breaks down)
+            1 + 2 ** -11 + 2 ** -40, 1 + 2 ** -8 + 2 ** -35, -(1 + 2 ** -11 + 2 ** -40),
+            2 ** -24 + 2 ** -25 + 2 ** -60]
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def _nan_patterns(dtype):
+    """NaNs with payloads and both signs, as raw bits (a float conversion would
+    canonicalize them)."""
+    if dtype == torch.float64:
+        raw = [0x7FF8000000000000, 0x7FF0000000000001, -0x0007FFFFFFFFFEDD,
+               0x7FF4000000000123]
+    else:
+        raw = [0x7FC00000, 0x7F800001, -0x003FFEDD, 0x7FA00123]
+    return torch.tensor(raw, dtype=BITS[dtype]).view(dtype)
+
+
+def sample(n, src, seed=0):
+    """n values of dtype src, on the CPU: edge values and NaN payloads cycled,
+    random bit patterns (every class of value), and normal values spread over
+    the targets' ranges."""
+    g = torch.Generator().manual_seed(seed)
+    ib = BITS[src]
+    info = torch.iinfo(ib)
+    raw = torch.randint(info.min, info.max, (n,), generator=g, dtype=ib).view(src)
+    spread = (torch.randn(n, generator=g, dtype=torch.float64)
+              * torch.exp2(torch.randint(-40, 40, (n,), generator=g).double())).to(src)
+    edge = torch.cat([_edge_float64().to(src), _nan_patterns(src)])
+    cycled = edge.repeat(n // edge.numel() + 1)[:n]
+    which = torch.randint(0, 3, (n,), generator=g)
+    out = torch.where(which == 0, raw, spread)
+    return torch.where(which == 1, cycled, out)
+
+
+def assert_same(cpu, gpu):
+    """(y, stats) from the CPU and the CUDA op: same bits, same layout."""
+    y_cpu, s_cpu = cpu
+    y_gpu, s_gpu = gpu
+    assert y_gpu.is_cuda and s_gpu.is_cuda
+    assert y_gpu.dtype == y_cpu.dtype and y_gpu.shape == y_cpu.shape
+    assert y_gpu.stride() == y_cpu.stride()
+    assert torch.equal(bits(y_gpu.cpu()), bits(y_cpu)), "y differs from the CPU op"
+    s_gpu = s_gpu.cpu()
+    assert torch.equal(s_gpu.view(torch.int64), s_cpu.view(torch.int64)), (
+        "stats differ from the CPU op:\n"
+        + "\n".join(f"  {f}: cpu {a!r} cuda {b!r}" for f, a, b in
+                    zip(_reference.STAT_FIELDS, s_cpu.tolist(), s_gpu.tolist()) if a != b))
+
+
+def both(base, dtype, view=lambda t: t):
+    """Runs the op on view(base) on the CPU and on view(base.cuda()) on the GPU:
+    same logical data, same strides, same storage offset."""
+    return op(view(base), dtype), op(view(base.cuda()), dtype)
+
+
+# ---------------------------------------------------------------------------
+# bit-identity with the CPU op
+
+def test_built_with_cuda_kernels():
+    # On a GPU machine a build without the kernels would silently take the
+    # slow fallback; setup.py builds them whenever CUDA is available.
+    assert _ops.WITH_CUDA, "torchcast._C was built without CUDA kernels (TORCHCAST_CUDA=1)"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("torchcast::cast_with_stats", "CUDA")
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_cpu(pair, n):
+    src, dst = pair
+    assert_same(*both(sample(n, src, seed=n), dst))
+
+
+@pytest.mark.parametrize("pair", EXACT, ids=pair_id)
+def test_exact_pairs_match_cpu(pair):
+    src, dst = pair
+    x = torch.randn(70001, dtype=torch.float64).to(src)
+    cpu, gpu = both(x, dst)
+    assert_same(cpu, gpu)
+    assert gpu[1].cpu().tolist() == [70001.0] + [0.0] * (len(_reference.STAT_FIELDS) - 1)
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+def test_zero_dim_and_empty_shapes(pair):
+    src, dst = pair
+    assert_same(*both(torch.tensor(1 / 3, dtype=torch.float64).to(src), dst))
+    for shape in [(0,), (3, 0, 5), (0, 1 << 20)]:
+        assert_same(*both(torch.empty(shape, dtype=src), dst))
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+def test_run_to_run_identical(pair):
+    src, dst = pair
+    x = sample(5 * 65536 + 3, src, seed=7).cuda()
+    y1, s1 = op(x, dst)
+    for _ in range(3):
+        y2, s2 = op(x, dst)
+        assert torch.equal(bits(y1), bits(y2))
+        assert torch.equal(s1.view(torch.int64), s2.view(torch.int64))
+
+
+# Views applied identically to the CPU and the CUDA base tensor.
+LAYOUTS = {
+    "transposed": ((300, 257), lambda t: t.t()),
+    "step_slice": ((64, 1000), lambda t: t[:, ::3]),
+    "offset_1": ((70001,), lambda t: t[1:]),
+    "offset_1_2d": ((130, 513), lambda t: t[1:, 1:]),
+    "expanded": ((1, 5000), lambda t: t.expand(7, 5000)),
+    "channels_last": ((2, 3, 37, 41), lambda t: t.contiguous(memory_format=torch.channels_last)),
+    "3d_strided": ((8, 300, 70), lambda t: t[::2, 5:, ::7]),
+    "permuted": ((5, 6, 700), lambda t: t.permute(2, 0, 1)[1:]),
+    "rows_offset_9": ((4, 65536 + 9), lambda t: t[:, 9:]),
+}
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_cpu(pair, layout):
+    src, dst = pair
+    shape, view = LAYOUTS[layout]
+    base = sample(math.prod(shape), src, seed=3).reshape(shape)
+    assert_same(*both(base, dst, view))
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+@pytest.mark.parametrize("out_layout", ["contiguous", "transposed", "offset_1"])
+def test_out_variant_matches_cpu(pair, out_layout):
+    src, dst = pair
+    x = sample(300 * 217, src, seed=11).reshape(300, 217)
+
+    def make_out(device):
+        if out_layout == "contiguous":
+            return torch.empty(300, 217, dtype=dst, device=device)
+        if out_layout == "transposed":
+            return torch.empty(217, 300, dtype=dst, device=device).t()
+        return torch.empty(300 * 217 + 1, dtype=dst, device=device)[1:].view(300, 217)
+
+    out_cpu, out_gpu = make_out("cpu"), make_out("cuda")
+    s_cpu = op.out(x, dst, out=out_cpu)
+    s_gpu = op.out(x.cuda(), dst, out=out_gpu)
+    assert_same((out_cpu, s_cpu), (out_gpu, s_gpu))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_shapes_and_strides_match_cpu(data):
+    src, dst = data.draw(st.sampled_from(LOSSY), label="pair")
+    ndim = data.draw(st.integers(1, 4), label="ndim")
+    shape = data.draw(st.lists(st.integers(1, 24), min_size=ndim, max_size=ndim), label="shape")
+    steps = data.draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim), label="steps")
+    starts = data.draw(st.lists(st.integers(0, 2), min_size=ndim, max_size=ndim), label="starts")
+    perm = data.draw(st.permutations(range(ndim)), label="perm")
+    full = [sh * sp + s for sh, sp, s in zip(shape, steps, starts)]
+    assume(math.prod(full) <= 1 << 20)
+    base = sample(math.prod(full), src, seed=len(full)).reshape(full)
+
+    def view(t):
+        t = t[tuple(slice(s, None, sp) for s, sp in zip(starts, steps))]
+        return t.permute(*perm)
+
+    assert_same(*both(base, dst, view))
+
+
+# ---------------------------------------------------------------------------
+# correct rounding, against numpy (independent of torch and of the kernels)
+
+FORMATS = {  # significand bits, smallest normal exponent, largest finite
+    torch.float16: (11, -14, 65504.0),
+    torch.bfloat16: (8, -126, float(torch.finfo(torch.bfloat16).max)),
+    torch.float32: (24, -126, float(torch.finfo(torch.float32).max)),
+}
+
+
+def correctly_rounded_np(x, dtype):
+    """x (float64 array) rounded once, to nearest even, to dtype, as float64."""
+    p, emin, fmax = FORMATS[dtype]
+    with np.errstate(all="ignore"):
+        _, e = np.frexp(x)  # x = m * 2^e, 0.5 <= |m| < 1
+        quantum = np.maximum(e - 1, emin) - (p - 1)  # exponent of the last kept bit
+        r = np.ldexp(np.rint(np.ldexp(x, -quantum)), quantum)  # power-of-2 scaling is exact
+        r = np.where(np.abs(r) > fmax, np.copysign(np.inf, x), r)
+        return np.where(np.isfinite(x), r, x)
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+def test_y_correctly_rounded(pair):
+    src, dst = pair
+    x = sample(200003, src, seed=5)
+    y, _ = op(x.cuda(), dst)
+    got = y.cpu().double().numpy()
+    want = correctly_rounded_np(x.double().numpy(), dst)
+    np.testing.assert_array_equal(got, want)  # NaN == NaN here
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_double_rounding_case():
+    # 1 + 2^-11 + 2^-40 is just above the float16 tie between 1 and 1 + 2^-10;
+    # through float32 it becomes the tie itself, which rounds to even (1.0).
+    x = torch.tensor([1 + 2 ** -11 + 2 ** -40, 1 + 2 ** -8 + 2 ** -35], dtype=torch.float64,
+                     device="cuda")
+    y16, _ = op(x[:1], torch.float16)
+    ybf, _ = op(x[1:], torch.bfloat16)
+    assert y16.item() == 1 + 2 ** -10
+    assert ybf.item() == 1 + 2 ** -7
+
+
+def test_torch_cuda_cast_rounds_twice():
+    # The observation behind "torch's own float64 -> float16/bfloat16 cast rounds
+    # twice" (numerics.h, README): shown here on CUDA, not assumed.
+    x = torch.tensor([1 + 2 ** -11 + 2 ** -40, 1 + 2 ** -8 + 2 ** -35], dtype=torch.float64,
+                     device="cuda")
+    assert x[:1].to(torch.float16).item() == 1.0
+    assert x[1:].to(torch.bfloat16).item() == 1.0
+
+
+def test_stats_against_numpy_and_fsum():
+    # Independent of the canonical order: exact counts and maxima, and sums
+    # within the compensated float32 bound.
+    x = sample(300001, torch.float64, seed=9)
+    y, s = op(x.cuda(), torch.float16)
+    s = dict(zip(_reference.STAT_FIELDS, s.cpu().tolist()))
+    xn = x.numpy()
+    yn = correctly_rounded_np(xn, torch.float16)
+    assert np.array_equal(y.cpu().double().numpy(), yn, equal_nan=True)
+    fin_x, fin_y = np.isfinite(xn), np.isfinite(yn)
+    meas = fin_x & fin_y
+    err = np.where(meas, np.abs(xn - yn), 0.0)
+    assert s["numel"] == xn.size
+    assert s["nan"] == np.isnan(xn).sum()
+    assert s["inexact"] == (fin_x & (yn != xn)).sum()
+    assert s["overflow"] == (fin_x & ~fin_y).sum()
+    assert s["underflow"] == ((xn != 0) & (yn == 0)).sum()
+    assert s["subnormal"] == ((yn != 0) & (np.abs(yn) < 2.0 ** -14)).sum()
+    assert s["max_abs_err"] == err.max()
+    rel = err / np.where(meas & (xn != 0), np.abs(xn), 1.0)
+    assert s["max_rel_err"] == rel.max()
+    # Terms are rounded to float32 before summing, as the kernels do.
+    for field, terms in [("sum_abs_err", err), ("sum_sq_err", err * err),
+                         ("sum_sq", np.where(meas, xn * xn, 0.0))]:
+        exact = math.fsum(terms.astype(np.float32).astype(np.float64))
+        assert s[field] == pytest.approx(exact, rel=1e-6, abs=1e-30), field
+
+
+# ---------------------------------------------------------------------------
+# large sizes: 64-bit indexing
+
+@pytest.mark.parametrize("pair,n", [((torch.float64, torch.bfloat16), (1 << 24) + 3),
+                                    ((torch.float32, torch.float16), 1 << 30)],
+                         ids=["f64->bf16-2^24+3", "f32->f16-2^30"])
+def test_large_matches_cpu(pair, n):
+    src, dst = pair
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(n, generator=g, device="cuda", dtype=torch.float64 if src == torch.float64
+                     else torch.float32) * 300)
+    gpu = op(x, dst)
+    cpu = op(x.cpu(), dst)
+    assert gpu[1][0].item() == n
+    assert_same(cpu, gpu)
+
+
+def test_strided_beyond_32bit_offsets():
+    # 2^29 elements at stride 2: byte offsets past 2^31, so the kernel takes
+    # the 64-bit offset calculator.
+    g = torch.Generator(device="cuda").manual_seed(2)
+    base = torch.randn(1 << 30, generator=g, device="cuda") * 1e4
+    assert_same(op(base.cpu()[::2], torch.bfloat16), op(base[::2], torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------
+# autocast, torch.compile, opcheck, autograd
+
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+def test_autocast_passes_through(autocast_dtype, pair):
+    src, dst = pair
+    x = sample(40000, src, seed=13).cuda()
+    ref = op(x, dst)
+    with torch.autocast("cuda", dtype=autocast_dtype):
+        got = op(x, dst)
+    assert got[0].dtype == dst
+    assert_same((ref[0].cpu(), ref[1].cpu()), got)
+
+
+def test_torch_compile():
+    def f(x, scale):
+        y, stats = op(x * scale, torch.bfloat16)
+        return y.float() + 1, stats
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for n in (1000, 70001, 3 * 65536):
+        x = sample(n, torch.float32, seed=n).cuda()
+        eager = f(x, 3.0)
+        got = compiled(x, 3.0)
+        assert torch.equal(bits(eager[0]), bits(got[0]))
+        assert torch.equal(eager[1].view(torch.int64), got[1].view(torch.int64))
+
+
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+def test_opcheck(pair):
+    src, dst = pair
+    x = torch.randn(3, 70, dtype=src, device="cuda")
+    torch.library.opcheck(op.default, (x, dst))
+    torch.library.opcheck(op.default, (x.t().requires_grad_(), dst))
+    out = torch.empty(3, 70, dtype=dst, device="cuda")
+    torch.library.opcheck(op.out, (x, dst), {"out": out})
+
+
+def test_backward_on_cuda():
+    x = torch.randn(1000, dtype=torch.float64, device="cuda", requires_grad=True)
+    y, _ = op(x, torch.float16)
+    (y.float() * 2).sum().backward()
+    assert x.grad.dtype == torch.float64 and x.grad.is_cuda
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+# ---------------------------------------------------------------------------
+# streams and synchronization
+
+def test_no_sync_inside_op():
+    xs = {src: sample(3 * 65536 + 5, src, seed=17).cuda() for src in (torch.float64, torch.float32)}
+    empty = torch.empty(0, device="cuda")
+    strided = xs[torch.float32][::3]
+    misaligned = xs[torch.float32][1:]
+    out = torch.empty(xs[torch.float32].shape, dtype=torch.float16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for src, dst in LOSSY:
+            op(xs[src], dst)
+        op(empty, torch.float16)
+        op(strided, torch.bfloat16)
+        op(misaligned, torch.float16)
+        op.out(xs[torch.float32], torch.float16, out=out)
+        op(xs[torch.float32], torch.float64)  # exact: a copy, no pass
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_runs_on_current_stream():
+    # The input is written on a side stream after a long sleep; a kernel that
+    # ran on another stream would read it before the write.
+    src = sample(4 * 65536, torch.float32, seed=19)
+    ref = op(src, torch.float16)
+    x = torch.zeros(src.shape, device="cuda")
+    host = src.pin_memory()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        x.copy_(host, non_blocking=True)
+        got = op(x, torch.float16)
+    side.synchronize()
+    assert_same(ref, got)
+
+
+def test_cuda_graph_capture():
+    # Capture fails on any synchronization or launch off the capturing stream.
+    x = torch.zeros(2 * 65536 + 77, dtype=torch.float64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(x, torch.float16)  # warm-up, as CUDA graphs require
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, stats = op(x, torch.float16)
+    for seed in (23, 29):
+        data = sample(x.numel(), torch.float64, seed=seed)
+        x.copy_(data)
+        graph.replay()
+        assert_same(op(data, torch.float16), (y, stats))
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+def test_errors_on_cuda():
+    x = torch.randn(10, device="cuda")
+    with pytest.raises(TypeError, match="torch.float32 to torch.int32"):
+        op(x, torch.int32)
+    with pytest.raises(RuntimeError, match="out is on cpu but x is on cuda"):
+        op.out(x, torch.float16, out=torch.empty(10, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="out has dtype torch.bfloat16"):
+        op.out(x, torch.float16, out=torch.empty(10, dtype=torch.bfloat16, device="cuda"))
