@@ -69,7 +69,13 @@ class CastStats:
 
     @property
     def sqnr_db(self):
-        """Signal-to-quantization-noise ratio, 10 log10(sum x^2 / sum (x-y)^2)."""
+        """Signal-to-quantization-noise ratio, 10 log10(sum x^2 / sum (x-y)^2):
+        -inf if any element overflowed (an infinite error), NaN when a float32
+        sum overflowed (|x| beyond about 1e19)."""
+        if self.overflow:
+            return -math.inf
+        if math.isinf(self.sum_sq) or math.isinf(self.sum_sq_err):
+            return math.nan
         if self.sum_sq_err == 0:
             return math.inf
         if self.sum_sq == 0:
