@@ -38,3 +38,10 @@ def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "torchcast", "--help"], capture_output=True,
                          text=True, check=True)
     assert "usage: python -m torchcast demo" in out.stdout
+
+
+def test_import_error_says_how_to_build():
+    code = ("import sys; sys.modules['torchcast._C'] = None\n"
+            "try:\n    import torchcast\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install --no-build-isolation -e ." in out.stdout
