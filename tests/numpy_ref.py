@@ -13,6 +13,7 @@ FORMATS = {
 }
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def round_to_format(x, dtype):
     """Rounds float64 values to the nearest value of dtype, ties to even, once."""
     mant, emin, emax = FORMATS[dtype]
@@ -35,6 +36,7 @@ def min_normal(dtype):
     return 2.0 ** FORMATS[dtype][1]
 
 
+@np.errstate(over="ignore", invalid="ignore")
 def stats_reference(x, dtype):
     """Exact statistics of casting tensor x to dtype, from numpy float64.
 
@@ -68,6 +70,7 @@ def stats_reference(x, dtype):
     }
 
 
+@np.errstate(over="ignore")
 def edge_values(src, dst):
     """Edge values of src for a cast to dst: zeros, infinities, NaN, the
     extremes of both formats, and values just below, at and just above the
