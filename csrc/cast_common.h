@@ -54,9 +54,9 @@ struct ChunkStats {
     out[kSubnormal] = static_cast<double>(subnormal);
     out[kMaxAbsErr] = static_cast<double>(max_abs_err);
     out[kMaxRelErr] = static_cast<double>(max_rel_err);
-    out[kSumAbsErr] = static_cast<double>(sums.abs_s) + sums.abs_c;
-    out[kSumSqErr] = static_cast<double>(sums.sq_err_s) + sums.sq_err_c;
-    out[kSumSq] = static_cast<double>(sums.sq_s) + sums.sq_c;
+    out[kSumAbsErr] = neumaier_value(sums.abs_s, sums.abs_c);
+    out[kSumSqErr] = neumaier_value(sums.sq_err_s, sums.sq_err_c);
+    out[kSumSq] = neumaier_value(sums.sq_s, sums.sq_c);
   }
 };
 

@@ -61,10 +61,17 @@ TC_HD void neumaier_add(float& sum, float& comp, float v) {
   sum = t;
 }
 
-// Folds the compensated pair (s2, c2) into (s, c).
+// Folds the compensated pair (s2, c2) into (s, c). The compensations add
+// plainly: they are tiny, and a sum that overflowed to inf carries a NaN
+// compensation that must not reach the sum itself.
 TC_HD void neumaier_merge(float& s, float& c, float s2, float c2) {
   neumaier_add(s, c, s2);
-  neumaier_add(s, c, c2);
+  c += c2;
+}
+
+// The value of a compensated pair, in float64; inf once the sum overflowed.
+TC_HD double neumaier_value(float s, float c) {
+  return (s - s == 0.f) ? static_cast<double>(s) + c : static_cast<double>(s);
 }
 
 // ---------------------------------------------------------------------------

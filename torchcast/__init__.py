@@ -1,2 +1,13 @@
 """torchcast: accountable dtype casts and compensated low-precision arithmetic."""
 from . import _ops  # loads the compiled kernels and registers the ops
+from . import nn
+from .cast import (
+    PrecisionLossError, PrecisionWarning, cast_with_stats, get_policy, last_stats, policy,
+    safe_to, set_policy,
+)
+from .stats import CastStats
+
+__all__ = [
+    "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
+    "last_stats", "nn", "policy", "safe_to", "set_policy",
+]

@@ -76,7 +76,7 @@ def _neumaier_add(s, c, v):
 def _merge(a, b):
     """Folds compensated pairs b = (s2, c2) into a = (s, c), elementwise."""
     s, c = _neumaier_add(a[0], a[1], b[0])
-    return _neumaier_add(s, c, b[1])
+    return s, c + b[1]
 
 
 def _block_tree(s, c):
@@ -128,7 +128,7 @@ def canonical_sum(terms, elem_size):
     for r in range(rows):
         ts, tc = _merge((ts, tc), (grid_s[r], grid_c[r]))
     s, c = _block_tree(ts, tc)
-    return s.double() + c.double()
+    return torch.where(torch.isfinite(s), s.double() + c.double(), s.double())
 
 
 def iteration_order(t, layout):

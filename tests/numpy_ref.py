@@ -1,0 +1,100 @@
+"""Independent references in numpy float64: correct rounding to a binary
+format by scaling and np.round (half to even), and the cast statistics."""
+import math
+
+import numpy as np
+import torch
+
+# (explicit mantissa bits, minimum normal exponent, maximum exponent)
+FORMATS = {
+    torch.float32: (23, -126, 127),
+    torch.float16: (10, -14, 15),
+    torch.bfloat16: (7, -126, 127),
+}
+
+
+@np.errstate(over="ignore", invalid="ignore")
+def round_to_format(x, dtype):
+    """Rounds float64 values to the nearest value of dtype, ties to even, once."""
+    mant, emin, emax = FORMATS[dtype]
+    x = np.asarray(x, dtype=np.float64)
+    ax = np.abs(x)
+    finite = np.isfinite(ax) & (ax > 0)
+    _, e = np.frexp(np.where(finite, ax, 1.0))  # ax = m * 2**e, m in [0.5, 1)
+    quantum = np.ldexp(1.0, np.maximum(e - 1, emin) - mant)
+    y = np.round(ax / quantum) * quantum
+    y = np.where(y >= 2.0 ** (emax + 1), np.inf, y)
+    y = np.where(finite, y, ax)
+    return np.copysign(y, x)
+
+
+def to_numpy64(t):
+    return t.detach().cpu().to(torch.float64).numpy()
+
+
+def min_normal(dtype):
+    return 2.0 ** FORMATS[dtype][1]
+
+
+@np.errstate(over="ignore", invalid="ignore")
+def stats_reference(x, dtype):
+    """Exact statistics of casting tensor x to dtype, from numpy float64.
+
+    Errors are computed in float64 (exact for differences of a value and its
+    rounding); max_rel_err is then rounded to x's dtype as the kernel divides
+    in x's dtype."""
+    xs = to_numpy64(x).ravel()
+    y = round_to_format(xs, dtype)
+    x_finite = np.isfinite(xs)
+    y_finite = np.isfinite(y)
+    measured = x_finite & y_finite
+    err = np.where(measured, np.abs(xs - y), 0.0)
+    np_src = np.float32 if x.dtype == torch.float32 else np.float64
+    rel = np.zeros_like(err)
+    nz = measured & (xs != 0)
+    rel[nz] = (np_src(1) * err[nz].astype(np_src)) / np.abs(xs[nz]).astype(np_src)
+    sq = np.where(measured, xs * xs, 0.0)
+    return {
+        "numel": xs.size,
+        "nan": int(np.isnan(xs).sum()),
+        "inexact": int((x_finite & (y != xs)).sum()),
+        "overflow": int((x_finite & ~y_finite).sum()),
+        "underflow": int(((xs != 0) & ~np.isnan(xs) & (y == 0)).sum()),
+        "subnormal": int(((y != 0) & (np.abs(y) < min_normal(dtype))).sum()),
+        "max_abs_err": float(err.max()) if err.size else 0.0,
+        "max_rel_err": float(rel.max()) if rel.size else 0.0,
+        "sum_abs_err": math.fsum(err.tolist()),
+        "sum_sq_err": math.fsum((err * err).tolist()),
+        "sum_sq": math.fsum(sq.tolist()),
+        "y": y,
+    }
+
+
+@np.errstate(over="ignore")
+def edge_values(src, dst):
+    """Edge values of src for a cast to dst: zeros, infinities, NaN, the
+    extremes of both formats, and values just below, at and just above the
+    rounding midpoints and the overflow threshold of dst."""
+    np_src = np.float32 if src == torch.float32 else np.float64
+    mant, emin, emax = FORMATS[dst]
+    big = (2.0 - 2.0 ** -mant) * 2.0 ** emax
+    ulp_top = 2.0 ** (emax - mant)
+    tiny = 2.0 ** emin
+    sub = 2.0 ** (emin - mant)
+    anchors = [
+        0.0, 1.0, 1.5, 3.0, 1.0 / 3.0, math.pi,
+        big, big + ulp_top / 2, big + ulp_top / 4, 2.0 ** (emax + 1),
+        tiny, tiny - sub / 2, sub, sub / 2, sub * 1.5, sub / 4, sub * 3,
+        1.0 + 2.0 ** -(mant + 1), 1.0 + 3 * 2.0 ** -(mant + 1), 2.0 - 2.0 ** -(mant + 1),
+        65519.99999999999, 65520.0, 65504.0,
+    ]
+    finfo = np.finfo(np_src)
+    out = [np.inf, np.nan, float(finfo.max), float(finfo.tiny), float(finfo.smallest_subnormal)]
+    for a in anchors:
+        v = np_src(a)
+        if not np.isfinite(v):
+            continue
+        out += [float(v), float(np.nextafter(v, np_src(0))), float(np.nextafter(v, np_src(np.inf)))]
+    vals = np.array(out, dtype=np.float64)
+    vals = np.concatenate([vals, -vals])
+    return torch.from_numpy(vals.astype(np_src))

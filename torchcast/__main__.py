@@ -1,0 +1,25 @@
+"""python -m torchcast {demo,audit} ..."""
+import sys
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: python -m torchcast demo\n"
+             "       python -m torchcast audit SCRIPT.py [ARGS...] [--json FILE] [--policy P]")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from . import demo
+        demo.run()
+        return 0
+    if command == "audit":
+        from . import cli
+        return cli.main(rest)
+    print(f"unknown command {command!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

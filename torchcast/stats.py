@@ -1,0 +1,119 @@
+"""CastStats: what a cast lost, read from the stats tensor of cast_with_stats."""
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from ._reference import STAT_FIELDS
+
+_COUNTS = ("numel", "nan", "inexact", "overflow", "underflow", "subnormal")
+_MAXIMA = ("max_abs_err", "max_rel_err")
+_SUMS = ("sum_abs_err", "sum_sq_err", "sum_sq")
+
+
+def _short(dtype):
+    return str(dtype).replace("torch.", "") if dtype is not None else "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class CastStats:
+    """Statistics of one cast (or of several merged with ``+``).
+
+    Counts are over the elements of x: ``nan`` (NaN in x), ``inexact`` (finite
+    x whose y, widened back, differs; overflows included), ``overflow`` (finite
+    x that became +-inf), ``underflow`` (nonzero x that became zero),
+    ``subnormal`` (y subnormal in the target dtype). ``max_abs_err`` and
+    ``max_rel_err`` are exact, over finite x with finite y (relative: x != 0).
+    ``sum_abs_err``, ``sum_sq_err`` and ``sum_sq`` (of x) are float32 sums with
+    Neumaier compensation over the same set: within about 1e-6 relative of
+    the exact sum, except that float32 cannot hold terms below 2^-149 (they
+    round to zero) nor sums above 3.4e38 (reported as inf).
+
+    Casts that cannot lose anything (widening, same dtype) are not measured:
+    only ``numel`` is set.
+    """
+
+    src_dtype: Optional[torch.dtype]
+    dtype: Optional[torch.dtype]
+    numel: int = 0
+    nan: int = 0
+    inexact: int = 0
+    overflow: int = 0
+    underflow: int = 0
+    subnormal: int = 0
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    sum_abs_err: float = 0.0
+    sum_sq_err: float = 0.0
+    sum_sq: float = 0.0
+
+    @classmethod
+    def from_tensor(cls, stats, src_dtype=None, dtype=None):
+        """Reads a stats tensor (one host synchronization if it is on a GPU)."""
+        values = stats.detach().to("cpu", torch.float64).tolist()
+        fields = dict(zip(STAT_FIELDS, values))
+        for name in _COUNTS:
+            fields[name] = int(fields[name])
+        return cls(src_dtype, dtype, **fields)
+
+    def __add__(self, other):
+        if not isinstance(other, CastStats):
+            return NotImplemented
+        merged = {name: getattr(self, name) + getattr(other, name) for name in _COUNTS + _SUMS}
+        for name in _MAXIMA:
+            merged[name] = max(getattr(self, name), getattr(other, name))
+        src = self.src_dtype if self.src_dtype == other.src_dtype else None
+        dst = self.dtype if self.dtype == other.dtype else None
+        return CastStats(src, dst, **merged)
+
+    @property
+    def sqnr_db(self):
+        """Signal-to-quantization-noise ratio, 10 log10(sum x^2 / sum (x-y)^2):
+        -inf if any element overflowed (an infinite error), NaN when a float32
+        sum overflowed (|x| beyond about 1e19)."""
+        if self.overflow:
+            return -math.inf
+        if math.isinf(self.sum_sq) or math.isinf(self.sum_sq_err):
+            return math.nan
+        if self.sum_sq_err == 0:
+            return math.inf
+        if self.sum_sq == 0:
+            return -math.inf
+        return 10.0 * math.log10(self.sum_sq / self.sum_sq_err)
+
+    @property
+    def lossless(self):
+        return self.inexact == 0 and self.overflow == 0 and self.underflow == 0
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["src_dtype"] = str(self.src_dtype) if self.src_dtype is not None else None
+        d["dtype"] = str(self.dtype) if self.dtype is not None else None
+        d["sqnr_db"] = self.sqnr_db
+        return d
+
+    def __str__(self):
+        return (
+            f"{_short(self.src_dtype)}->{_short(self.dtype)}: {self.numel} elements, "
+            f"{self.inexact} inexact, {self.overflow} overflow, {self.underflow} underflow, "
+            f"{self.subnormal} subnormal, {self.nan} nan, max abs err {self.max_abs_err:.3g}, "
+            f"max rel err {self.max_rel_err:.3g}, SQNR {self.sqnr_db:.1f} dB")
+
+
+class PendingStats:
+    """A stats tensor not yet read: reading it (``.value``) synchronizes once."""
+
+    __slots__ = ("tensor", "src_dtype", "dtype", "_value")
+
+    def __init__(self, tensor, src_dtype, dtype):
+        self.tensor = tensor
+        self.src_dtype = src_dtype
+        self.dtype = dtype
+        self._value = None
+
+    @property
+    def value(self):
+        if self._value is None:
+            self._value = CastStats.from_tensor(self.tensor, self.src_dtype, self.dtype)
+        return self._value
