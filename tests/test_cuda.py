@@ -14,8 +14,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import torchcast  # noqa: F401  (loads the kernels)
+import torchcast
 from torchcast import _ops, _reference
+from torchcast.stats import CastStats
+
+from numpy_ref import edge_values, round_to_format, stats_reference, to_numpy64
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -43,26 +46,6 @@ def bits(t):
     return t.contiguous().view(BITS[t.dtype]) if t.dim() else t.reshape(1).view(BITS[t.dtype])
 
 
-def _edge_float64():
-    """Values where rounding, overflow, underflow or double rounding is decided."""
-    vals = [0.0, -0.0, math.inf, -math.inf, 1.0, -1.0, 1 / 3, math.pi,
-            # float16: ties to even, a carry into the exponent, overflow edge
-            1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 - 2 ** -11, 65504.0, 65519.99, 65520.0,
-            -65520.0, 65536.0, 6.103515625e-05, 6.1e-05, 2 ** -24, 2 ** -25,
-            2 ** -25 * (1 + 2 ** -30), 3 * 2 ** -26,
-            # bfloat16 ties and range ends
-            1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.3895313892515355e38, 3.39e38, 2 ** -133,
-            2 ** -134, 1.1754943508222875e-38, 1e-39,
-            # float32 range ends
-            3.4028234663852886e38, 3.4028235677973366e38, 3.5e38, 2 ** -149, 2 ** -150,
-            2 ** -150 * (1 + 2 ** -40), 1e-310, 5e-324, 1e300, -1e-300,
-            # double rounding through float32 goes wrong on these (the float32
-            # step makes a tie that round-to-nearest-even then breaks down)
-            1 + 2 ** -11 + 2 ** -40, 1 + 2 ** -8 + 2 ** -35, -(1 + 2 ** -11 + 2 ** -40),
-            2 ** -24 + 2 ** -25 + 2 ** -60]
-    return torch.tensor(vals, dtype=torch.float64)
-
-
 def _nan_patterns(dtype):
     """NaNs with payloads and both signs, as raw bits (a float conversion would
     canonicalize them)."""
@@ -75,16 +58,18 @@ def _nan_patterns(dtype):
 
 
 def sample(n, src, seed=0):
-    """n values of dtype src, on the CPU: edge values and NaN payloads cycled,
-    random bit patterns (every class of value), and normal values spread over
-    the targets' ranges."""
+    """n values of dtype src, on the CPU: the edge values of every target
+    (midpoints, overflow and underflow thresholds, each with its neighbours)
+    and NaN payloads cycled, random bit patterns (every class of value), and
+    normal values spread over the targets' ranges."""
     g = torch.Generator().manual_seed(seed)
     ib = BITS[src]
     info = torch.iinfo(ib)
     raw = torch.randint(info.min, info.max, (n,), generator=g, dtype=ib).view(src)
     spread = (torch.randn(n, generator=g, dtype=torch.float64)
               * torch.exp2(torch.randint(-40, 40, (n,), generator=g).double())).to(src)
-    edge = torch.cat([_edge_float64().to(src), _nan_patterns(src)])
+    edge = torch.cat([edge_values(src, dst) for dst in (torch.float32, torch.float16,
+                                                        torch.bfloat16)] + [_nan_patterns(src)])
     cycled = edge.repeat(n // edge.numel() + 1)[:n]
     which = torch.randint(0, 3, (n,), generator=g)
     out = torch.where(which == 0, raw, spread)
@@ -222,31 +207,13 @@ def test_random_shapes_and_strides_match_cpu(data):
 # ---------------------------------------------------------------------------
 # correct rounding, against numpy (independent of torch and of the kernels)
 
-FORMATS = {  # significand bits, smallest normal exponent, largest finite
-    torch.float16: (11, -14, 65504.0),
-    torch.bfloat16: (8, -126, float(torch.finfo(torch.bfloat16).max)),
-    torch.float32: (24, -126, float(torch.finfo(torch.float32).max)),
-}
-
-
-def correctly_rounded_np(x, dtype):
-    """x (float64 array) rounded once, to nearest even, to dtype, as float64."""
-    p, emin, fmax = FORMATS[dtype]
-    with np.errstate(all="ignore"):
-        _, e = np.frexp(x)  # x = m * 2^e, 0.5 <= |m| < 1
-        quantum = np.maximum(e - 1, emin) - (p - 1)  # exponent of the last kept bit
-        r = np.ldexp(np.rint(np.ldexp(x, -quantum)), quantum)  # power-of-2 scaling is exact
-        r = np.where(np.abs(r) > fmax, np.copysign(np.inf, x), r)
-        return np.where(np.isfinite(x), r, x)
-
-
 @pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
 def test_y_correctly_rounded(pair):
     src, dst = pair
     x = sample(200003, src, seed=5)
     y, _ = op(x.cuda(), dst)
-    got = y.cpu().double().numpy()
-    want = correctly_rounded_np(x.double().numpy(), dst)
+    got = to_numpy64(y)
+    want = round_to_format(to_numpy64(x), dst)
     np.testing.assert_array_equal(got, want)  # NaN == NaN here
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
@@ -271,32 +238,23 @@ def test_torch_cuda_cast_rounds_twice():
     assert x[1:].to(torch.bfloat16).item() == 1.0
 
 
-def test_stats_against_numpy_and_fsum():
+@pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
+def test_stats_against_numpy_and_fsum(pair):
     # Independent of the canonical order: exact counts and maxima, and sums
-    # within the compensated float32 bound.
-    x = sample(300001, torch.float64, seed=9)
-    y, s = op(x.cuda(), torch.float16)
-    s = dict(zip(_reference.STAT_FIELDS, s.cpu().tolist()))
-    xn = x.numpy()
-    yn = correctly_rounded_np(xn, torch.float16)
-    assert np.array_equal(y.cpu().double().numpy(), yn, equal_nan=True)
-    fin_x, fin_y = np.isfinite(xn), np.isfinite(yn)
-    meas = fin_x & fin_y
-    err = np.where(meas, np.abs(xn - yn), 0.0)
-    assert s["numel"] == xn.size
-    assert s["nan"] == np.isnan(xn).sum()
-    assert s["inexact"] == (fin_x & (yn != xn)).sum()
-    assert s["overflow"] == (fin_x & ~fin_y).sum()
-    assert s["underflow"] == ((xn != 0) & (yn == 0)).sum()
-    assert s["subnormal"] == ((yn != 0) & (np.abs(yn) < 2.0 ** -14)).sum()
-    assert s["max_abs_err"] == err.max()
-    rel = err / np.where(meas & (xn != 0), np.abs(xn), 1.0)
-    assert s["max_rel_err"] == rel.max()
-    # Terms are rounded to float32 before summing, as the kernels do.
-    for field, terms in [("sum_abs_err", err), ("sum_sq_err", err * err),
-                         ("sum_sq", np.where(meas, xn * xn, 0.0))]:
-        exact = math.fsum(terms.astype(np.float32).astype(np.float64))
-        assert s[field] == pytest.approx(exact, rel=1e-6, abs=1e-30), field
+    # within the compensated float32 bound (as tests/test_cast.py holds the CPU op).
+    src, dst = pair
+    x = sample(300001, src, seed=9)
+    _, stats = op(x.cuda(), dst)
+    s = CastStats.from_tensor(stats, src, dst)
+    ref = stats_reference(x, dst)
+    for f in ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
+              "max_abs_err", "max_rel_err"):
+        assert getattr(s, f) == ref[f], f
+    for f in ("sum_abs_err", "sum_sq_err", "sum_sq"):
+        if math.isinf(getattr(s, f)):  # float32 accumulators overflow past 3.4e38
+            assert ref[f] > 3.0e38, f
+        else:
+            assert abs(getattr(s, f) - ref[f]) <= 1e-6 * abs(ref[f]) + s.numel * 2.0 ** -150, f
 
 
 # ---------------------------------------------------------------------------
@@ -335,8 +293,13 @@ def test_autocast_passes_through(autocast_dtype, pair):
     ref = op(x, dst)
     with torch.autocast("cuda", dtype=autocast_dtype):
         got = op(x, dst)
+        y_auto = torchcast.safe_to(x, policy="record")  # dtype=None: the autocast dtype
+        s_auto = torchcast.last_stats()
     assert got[0].dtype == dst
     assert_same((ref[0].cpu(), ref[1].cpu()), got)
+    want_y, want_stats = op(x.cpu(), autocast_dtype)
+    assert y_auto.dtype == autocast_dtype and torch.equal(bits(y_auto.cpu()), bits(want_y))
+    assert s_auto == CastStats.from_tensor(want_stats, src, autocast_dtype)
 
 
 def test_torch_compile():
@@ -344,13 +307,19 @@ def test_torch_compile():
         y, stats = op(x * scale, torch.bfloat16)
         return y.float() + 1, stats
 
-    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    def g(x):
+        return torchcast.safe_to(x, torch.float16, policy="record").float() * 2
+
+    torch._dynamo.reset()
+    compiled_f = torch.compile(f, fullgraph=True, dynamic=True)
+    compiled_g = torch.compile(g, fullgraph=True)
     for n in (1000, 70001, 3 * 65536):
         x = sample(n, torch.float32, seed=n).cuda()
         eager = f(x, 3.0)
-        got = compiled(x, 3.0)
+        got = compiled_f(x, 3.0)
         assert torch.equal(bits(eager[0]), bits(got[0]))
         assert torch.equal(eager[1].view(torch.int64), got[1].view(torch.int64))
+        assert torch.equal(bits(g(x)), bits(compiled_g(x)))
 
 
 @pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
@@ -390,6 +359,9 @@ def test_no_sync_inside_op():
         op(misaligned, torch.float16)
         op.out(xs[torch.float32], torch.float16, out=out)
         op(xs[torch.float32], torch.float64)  # exact: a copy, no pass
+        # safe_to promises no synchronization for these two policies
+        torchcast.safe_to(xs[torch.float64], torch.bfloat16, policy="record")
+        torchcast.safe_to(xs[torch.float64], torch.float16, policy="ignore")
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

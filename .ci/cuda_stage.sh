@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# CI stage: build torchcast with its CUDA kernels (TORCHCAST_CUDA=1) in a
+# second virtualenv holding a CUDA torch, import it on this machine (which may
+# have no GPU: nothing CUDA runs here), and run the test suite against that
+# build. The CUDA tests themselves skip without a GPU; benchmarks/gpu_check.sh
+# runs them on one.
+#
+# Skipped, not failed, where nvcc is absent. Knobs:
+#   TORCHCAST_CI_CUDA_ARCH  TORCH_CUDA_ARCH_LIST for this build (default 9.0:
+#                           one architecture keeps the stage's nvcc time about
+#                           half of the default sm_80 + sm_90 + PTX build,
+#                           which setup.py still builds everywhere else)
+#   MAX_JOBS                parallel compile jobs (default 2, the CI's cores)
+#   PYTHON                  interpreter for the virtualenv (default python3)
+# The virtualenv (.venv-cuda) and the build (build/cuda-stage) persist across
+# runs and are reused; both are gitignored.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+TORCH_CUDA_PIN=2.14.1
+
+if ! command -v nvcc >/dev/null 2>&1; then
+  echo "cuda stage: SKIPPED: nvcc is not on PATH, so the CUDA extension cannot be compiled here"
+  exit 0
+fi
+
+step() { echo "-- cuda stage [${SECONDS}s]: $*"; }
+
+# torch derives CUDA_HOME from nvcc's location, which is wrong when nvcc on
+# PATH is a wrapper script (e.g. /usr/local/bin/nvcc): ask nvcc where it lives.
+if [ -z "${CUDA_HOME:-}" ]; then
+  probe=$(mktemp -d)
+  touch "$probe/probe.cu"
+  top=$(cd "$probe" && nvcc --dryrun -c probe.cu 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n1)
+  rm -rf "$probe"
+  if [ -n "$top" ]; then CUDA_HOME=$(cd "$top/.." && pwd); export CUDA_HOME; fi
+fi
+step "nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), CUDA_HOME=${CUDA_HOME:-torch decides}"
+
+VENV=$ROOT/.venv-cuda
+if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_CUDA_PIN' or torch.version.cuda is None)" 2>/dev/null; then
+  step "creating $VENV with torch==$TORCH_CUDA_PIN (CUDA build, several GB)"
+  rm -rf "$VENV"
+  "${PYTHON:-python3}" -m venv "$VENV"
+  # The project's requirements with the CPU torch pin swapped for the CUDA one.
+  grep -v '^torch\b' requirements.txt > "$VENV/requirements-cuda.txt"
+  echo "torch==$TORCH_CUDA_PIN" >> "$VENV/requirements-cuda.txt"
+  "$VENV/bin/python" -m pip install -q -r "$VENV/requirements-cuda.txt"
+fi
+"$VENV/bin/python" -c "import torch; print('   torch', torch.__version__, 'CUDA', torch.version.cuda)"
+
+# The CUDA torch keeps cuBLAS/cuSPARSE headers (included by ATen's CUDA
+# headers) in its nvidia wheel, not in the toolkit.
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+for inc in "$site"/nvidia/cu*/include; do
+  [ -d "$inc" ] && export CPATH="$inc${CPATH:+:$CPATH}"
+done
+
+# Build in a copy of the tree: the CPU build in ./torchcast stays untouched.
+# tar keeps mtimes, so ninja recompiles only what changed since the last run.
+STAGE=$ROOT/build/cuda-stage
+step "copying the tree to $STAGE"
+mkdir -p "$STAGE"
+for d in csrc torchcast tests benchmarks; do rm -rf "${STAGE:?}/$d"; done
+git ls-files -z --cached --others --exclude-standard \
+  | tar --null --ignore-failed-read -cf - -T - 2>/dev/null | tar -xpf - -C "$STAGE"
+
+step "building with TORCHCAST_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCHCAST_CI_CUDA_ARCH:-9.0}"
+(cd "$STAGE" && TORCHCAST_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCHCAST_CI_CUDA_ARCH:-9.0}" \
+   MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.py -q build_ext --inplace)
+
+step "importing the CUDA build on this machine"
+(cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" - <<'EOF'
+import torch
+import torchcast
+from torchcast import _ops
+
+assert torchcast.__file__.startswith(__import__("os").getcwd()), torchcast.__file__
+assert _ops.WITH_CUDA, "torchcast._C was built without its CUDA kernels"
+for name in ("torchcast::cast_with_stats", "torchcast::cast_with_stats.out"):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
+print("   torchcast CUDA build imported:", torchcast._C.__file__,
+      "| GPU present:", torch.cuda.is_available())
+EOF
+)
+
+step "test suite against the CUDA build"
+(cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
+step "done"
