@@ -33,7 +33,7 @@ if [ -z "${CUDA_HOME:-}" ]; then
   touch "$probe/probe.cu"
   top=$(cd "$probe" && nvcc --dryrun -c probe.cu 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n1)
   rm -rf "$probe"
-  if [ -n "$top" ]; then CUDA_HOME=$(cd "$top/.." && pwd); export CUDA_HOME; fi
+  if [ -n "$top" ]; then CUDA_HOME=$(cd "$top" && pwd); export CUDA_HOME; fi
 fi
 step "nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), CUDA_HOME=${CUDA_HOME:-torch decides}"
 
@@ -45,7 +45,10 @@ if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
   # The project's requirements with the CPU torch pin swapped for the CUDA one.
   grep -v '^torch\b' requirements.txt > "$VENV/requirements-cuda.txt"
   echo "torch==$TORCH_CUDA_PIN" >> "$VENV/requirements-cuda.txt"
-  "$VENV/bin/python" -m pip install -q -r "$VENV/requirements-cuda.txt"
+  if ! "$VENV/bin/python" -m pip install -q -r "$VENV/requirements-cuda.txt" > "$VENV/pip.log" 2>&1; then
+    cat "$VENV/pip.log"
+    exit 1
+  fi
 fi
 "$VENV/bin/python" -c "import torch; print('   torch', torch.__version__, 'CUDA', torch.version.cuda)"
 

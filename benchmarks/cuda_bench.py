@@ -1,0 +1,159 @@
+"""cast_with_stats on CUDA against torch's own cast and the device's copy bandwidth.
+
+Follows shared/BENCHMARKS.md: one process, ours and the baseline interleaved
+in every round after a warm-up, CUDA events, medians of each and the median of
+the per-round ratios; GB/s counts bytes read plus bytes written, and is set
+against the device-to-device copy bandwidth measured in the same run.
+Rows: every lossy pair with fresh outputs (ours vs ``x.to(dtype)``) and with
+preallocated ones (ours ``out=`` vs ``out.copy_(x)``), plus the scalar paths
+(x misaligned by one element, x strided) and a small size for launch overhead.
+
+    python benchmarks/cuda_bench.py [--log2-size 28] [--rounds 15]
+
+Targets (issue 3): at least 85% of the copy bandwidth and at most 1.1x the
+time of torch's own cast, for every pair. Reported, never asserted.
+"""
+import argparse
+import os
+import shlex
+import statistics
+import sys
+
+import torch
+
+import torchcast  # noqa: F401  (loads the kernels)
+from torchcast import _reference
+
+op = torch.ops.torchcast.cast_with_stats
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def short(dtype):
+    return str(dtype)[6:]
+
+
+def time_pair(ours, base, rounds, warmup, reps):
+    """Median ms per call of ours and base, and the median per-round ratio.
+    reps calls per timed sample (for sizes where one call is launch-bound)."""
+    def sample(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    for _ in range(warmup):
+        sample(ours)
+        sample(base)
+    t_ours, t_base, ratios = [], [], []
+    for r in range(rounds):
+        # alternate which goes first, so neither always follows the other
+        if r % 2:
+            b, o = sample(base), sample(ours)
+        else:
+            o, b = sample(ours), sample(base)
+        t_ours.append(o)
+        t_base.append(b)
+        ratios.append(o / b)
+    return statistics.median(t_ours), statistics.median(t_base), statistics.median(ratios)
+
+
+def copy_bandwidth(nbytes, rounds, warmup):
+    """Device-to-device copy GB/s (read + write) for nbytes of float32."""
+    n = nbytes // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _, _ = time_pair(lambda: dst.copy_(src), lambda: dst.copy_(src), rounds, warmup, 1)
+    return 2 * n * 4 / ms / 1e6
+
+
+def rows_for(args, copy_gbs):
+    n = 1 << args.log2_size
+    small = 1 << args.log2_small
+    rows = []
+
+    def add(kind, pair, size, layout, ours, base, nbytes, reps=1):
+        o, b, ratio = time_pair(ours, base, args.rounds, args.warmup, reps)
+        gbs = nbytes / o / 1e6
+        rows.append({
+            "kind": kind, "pair": f"{short(pair[0])}->{short(pair[1])}", "size": size,
+            "layout": layout, "ours_us": o * 1e3, "base_us": b * 1e3, "ratio": ratio,
+            "gbs": gbs, "pct": 100 * gbs / copy_gbs,
+        })
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for src, dst in _reference.LOSSY_PAIRS:
+        x = torch.randn(n, generator=g, device="cuda", dtype=src) * 100
+        nbytes = n * (x.element_size() + torch.empty((), dtype=dst).element_size())
+        out = torch.empty(n, device="cuda", dtype=dst)
+        add("fresh", (src, dst), f"2^{args.log2_size}", "contiguous",
+            lambda: op(x, dst), lambda: x.to(dst), nbytes)
+        add("out=", (src, dst), f"2^{args.log2_size}", "contiguous",
+            lambda: op.out(x, dst, out=out), lambda: out.copy_(x), nbytes)
+        xs = x[:small]
+        add("fresh", (src, dst), f"2^{args.log2_small}", "contiguous",
+            lambda: op(xs, dst), lambda: xs.to(dst),
+            small * nbytes // n, reps=100)
+        del x, out
+    # The scalar paths: misaligned x (no 16-byte loads) and strided x (offset calculator).
+    src, dst = torch.float32, torch.bfloat16
+    base = torch.randn(2 * n + 1, generator=g, device="cuda", dtype=src) * 100
+    nbytes = n * (4 + 2)
+    mis = base[1:n + 1]
+    add("fresh", (src, dst), f"2^{args.log2_size}", "x[1:] misaligned",
+        lambda: op(mis, dst), lambda: mis.to(dst), nbytes)
+    strided = base[: 2 * n : 2]
+    add("fresh", (src, dst), f"2^{args.log2_size}", "x[::2] strided",
+        lambda: op(strided, dst), lambda: strided.to(dst), nbytes)
+    return rows
+
+
+def markdown(rows, copy_gbs, command):
+    props = torch.cuda.get_device_properties(0)
+    lines = [
+        f"Command: `{command}`  ",
+        f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, torch.set_num_threads({torch.get_num_threads()}) (host side only)  ",
+        f"Device-to-device copy bandwidth (read + write, same run): {copy_gbs:.0f} GB/s  ",
+        "Targets: >= 85% of copy bandwidth and <= 1.1x torch's cast (bandwidth rows only).",
+        "",
+        "| op | pair | size | layout | ours (us) | baseline | baseline (us) | ratio | ours GB/s | % of copy BW |",
+        "|---|---|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = "x.to(dtype)" if r["kind"] == "fresh" else "out.copy_(x)"
+        opname = "cast_with_stats" if r["kind"] == "fresh" else "cast_with_stats(out=)"
+        lines.append(
+            f"| {opname} | {r['pair']} | {r['size']} | {r['layout']} | {r['ours_us']:.1f} | {base} | "
+            f"{r['base_us']:.1f} | {r['ratio']:.2f} | {r['gbs']:.0f} | {r['pct']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--log2-size", type=int, default=28)
+    p.add_argument("--log2-small", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cuda.md"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cuda_bench: no CUDA device here; nothing measured")
+        return 0
+    torch.set_num_threads(min(os.cpu_count() or 1, 16))
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:])
+    copy_gbs = copy_bandwidth((1 << args.log2_size) * 4, args.rounds, args.warmup)
+    rows = rows_for(args, copy_gbs)
+    table = markdown(rows, copy_gbs, command)
+    print(table)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(table)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
