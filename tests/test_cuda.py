@@ -274,6 +274,17 @@ def test_large_matches_cpu(pair, n):
     assert_same(cpu, gpu)
 
 
+@pytest.mark.parametrize("dst", [torch.float16, torch.bfloat16])
+def test_every_float32_bit_pattern(dst):
+    # All 2^32 float32 inputs, in 16 slices of 2^28: y and stats equal the CPU op's.
+    step = 1 << 28
+    for k in range(16):
+        codes = torch.arange(k * step - (1 << 31), (k + 1) * step - (1 << 31),
+                             dtype=torch.int64, device="cuda")
+        x = codes.to(torch.int32).view(torch.float32)
+        assert_same(op(x.cpu(), dst), op(x, dst))
+
+
 def test_strided_beyond_32bit_offsets():
     # 2^29 elements at stride 2: byte offsets past 2^31, so the kernel takes
     # the 64-bit offset calculator.
