@@ -65,7 +65,7 @@ struct AdamConsts {
   T beta2, one_minus_beta2;
   T eps;
   T decay;  // AdamW: 1 - lr * weight_decay, applied as torch does (param * decay)
-  T lr_wd;  // AdamW under Kahan: lr * weight_decay, inside the compensated update
+  T lr_wd;  // AdamW compensated: lr * weight_decay, inside the compensated update
   MaskOf<T> use_l2, lerp_small, use_decay;
 };
 
@@ -151,16 +151,16 @@ struct AdamElement {
     const T denom = tc_sqrt(vv) / t.bc2_sqrt + k.eps;
     const T upd = (t.neg_step_size * ST::widen(m)) / denom;
 
-    if constexpr (M == Compensation::kKahan) {
-      // Decoupled decay joins the update so that its rounding is compensated too.
-      const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
-      kahan_update<PT>(pv, p, c, u);
+    if constexpr (M == Compensation::kNone) {
+      p = PT::round(pv * k.decay + upd);
     } else {
-      const T x = pv * k.decay + upd;
-      if constexpr (M == Compensation::kRemainder) {
-        split_bf16_remainder(x, p, c);
+      // Compensated, decoupled decay joins the update rather than scaling
+      // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
+      const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
+      if constexpr (M == Compensation::kKahan) {
+        kahan_update<PT>(pv, p, c, u);
       } else {
-        p = PT::round(x);
+        split_bf16_remainder(pv + u, p, c);
       }
     }
   }

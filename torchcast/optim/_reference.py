@@ -110,16 +110,16 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
         vv = vmax.to(compute)
     denom = _sqrt(vv) / t.bc2_sqrt + k.eps
     upd = (t.neg_step_size * m.to(compute)) / denom
-    if mode == "kahan":
-        kahan_update(pv, p, c, upd - k.lr_wd * pv if k.use_decay else upd)
+    if mode == "none":
+        p.copy_(pv * k.decay + upd)
         return
-    x = pv * k.decay + upd
-    if mode == "remainder":
-        hi, lo = split_bf16_remainder(x)
+    u = upd - k.lr_wd * pv if k.use_decay else upd
+    if mode == "kahan":
+        kahan_update(pv, p, c, u)
+    else:
+        hi, lo = split_bf16_remainder(pv + u)
         p.copy_(hi)
         c.copy_(lo)
-    else:
-        p.copy_(x)
 
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,

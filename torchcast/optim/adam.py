@@ -193,7 +193,7 @@ class Adam(Optimizer):
     def _init_state(self, group, p):
         """The param's state, with whatever is missing created: lazily on the
         first step, after loading a torch.optim.Adam state (no compensation),
-        or after amsgrad was switched on."""
+        or after amsgrad or another compensation mode was switched on."""
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -207,6 +207,10 @@ class Adam(Optimizer):
         if mode == "remainder" and "remainder" not in state:
             state["remainder"] = torch.zeros_like(p, dtype=torch.int16,
                                                   memory_format=torch.preserve_format)
+        # A group switched to another mode drops what the old one kept.
+        for key, owner in (("compensation", "kahan"), ("remainder", "remainder")):
+            if mode != owner:
+                state.pop(key, None)
         return state
 
     # -- step -----------------------------------------------------------------
