@@ -132,7 +132,7 @@ def assert_operands_match(a, b, tol_f64=False):
                 assert_same_bits(x, y, name)
 
 
-@settings(max_examples=60)
+@settings(max_examples=60, deadline=None)
 @given(combo=st.sampled_from(COMBOS), amsgrad=st.booleans(), maximize=st.booleans(),
        decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.01, 0.5]),
        beta1=st.sampled_from([0.0, 0.5, 0.9]), lr=st.sampled_from([1e-3, 0.1, 1e-7]),
