@@ -55,7 +55,8 @@ MaskOf<T> mask_of(bool flag) {
 
 // Constants of one step of one parameter group, rounded once to the compute
 // type from the float64 hyperparameters (as torch rounds its Python-float
-// scalars), so that the uncompensated float32 step follows torch.optim.Adam.
+// scalars), so that the uncompensated float32 step follows torch.optim.Adam
+// (to a rounding per step: torch divides by sqrt(1 - beta2^step)).
 // The flags are masks for blend(), uniform over the loop.
 template <typename T>
 struct AdamConsts {
@@ -70,10 +71,13 @@ struct AdamConsts {
 };
 
 // Constants that depend on the parameter's own step count.
+// The bias correction of the second moment is a multiply by a reciprocal
+// rounded once, not a division per element: divisions and square roots are
+// what the compensated loops spend their time on.
 template <typename T>
 struct AdamTensorConsts {
-  T neg_step_size;  // -lr / (1 - beta1^step)
-  T bc2_sqrt;       // sqrt(1 - beta2^step)
+  T neg_step_size;     // -lr / (1 - beta1^step)
+  T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
 };
 
 struct AdamHyper {
@@ -105,7 +109,7 @@ template <typename T>
 AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step) {
   const double bc1 = 1.0 - std::pow(h.beta1, step);
   const double bc2 = 1.0 - std::pow(h.beta2, step);
-  return {static_cast<T>(-(h.lr / bc1)), static_cast<T>(std::sqrt(bc2))};
+  return {static_cast<T>(-(h.lr / bc1)), static_cast<T>(1.0 / std::sqrt(bc2))};
 }
 
 // torch.maximum: NaN in either operand gives NaN.
@@ -148,7 +152,7 @@ struct AdamElement {
       vmax = ST::round(max_nan(ST::widen(vmax), vv));
       vv = ST::widen(vmax);
     }
-    const T denom = tc_sqrt(vv) / t.bc2_sqrt + k.eps;
+    const T denom = tc_sqrt(vv) * t.inv_bc2_sqrt + k.eps;
     const T upd = (t.neg_step_size * ST::widen(m)) / denom;
 
     if constexpr (M == Compensation::kNone) {

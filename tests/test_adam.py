@@ -961,7 +961,7 @@ def test_battery_param_groups_with_lrscheduler(info):
             loss = opt.step(closure)
             for s in scheds:
                 if isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                    s.step(loss)
+                    s.step(loss.item())
                 else:
                     s.step()
         assert closure().item() < initial

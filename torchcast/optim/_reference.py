@@ -43,7 +43,7 @@ def tensor_constants(compute, lr, beta1, beta2, step):
     """AdamTensorConsts: what depends on the parameter's step count."""
     r = _rounder(compute)
     return SimpleNamespace(neg_step_size=r(-(lr / (1.0 - beta1 ** step))),
-                           bc2_sqrt=r(math.sqrt(1.0 - beta2 ** step)))
+                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)))
 
 
 def _sqrt(x):
@@ -108,7 +108,7 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
     if amsgrad:
         vmax.copy_(torch.maximum(vmax.to(compute), vv))
         vv = vmax.to(compute)
-    denom = _sqrt(vv) / t.bc2_sqrt + k.eps
+    denom = _sqrt(vv) * t.inv_bc2_sqrt + k.eps
     upd = (t.neg_step_size * m.to(compute)) / denom
     if mode == "none":
         p.copy_(pv * k.decay + upd)
