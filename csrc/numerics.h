@@ -272,4 +272,57 @@ inline T reduce_partials(const T* partials, int64_t n) {
   return acc[0];
 }
 
+// ---------------------------------------------------------------------------
+// Compensated parameter updates (the Adam kernels). A parameter kept in a
+// narrow format carries what its last rounding lost, either as a Kahan buffer
+// of its own dtype or, for bfloat16, as the low half of a float32 master
+// weight (an int16 "remainder").
+
+// x rounded to Target, and the rounding error x - widen(result). The error is
+// exact: the two values are within a factor of two (Sterbenz) or the result
+// is zero.
+template <typename Target>
+TC_HD typename Target::storage round_with_error(float x, float& err) {
+  const typename Target::storage y = Target::round(x);
+  err = x - Target::widen(y);
+  return y;
+}
+
+// One Kahan step on a parameter stored in Target: p + c + u is formed in
+// float32 (the error of p + (u + c) kept exactly by the Neumaier step), and
+// the new parameter and compensation come out of one rounding of it. When the
+// sum is not finite the compensation restarts from zero instead of turning
+// into NaN.
+template <typename Target>
+TC_HD void kahan_update(float p, typename Target::storage& p_out, typename Target::storage& c,
+                        float u) {
+  float t = p, e = 0.f;
+  neumaier_add(t, e, u + Target::widen(c));
+  float r;
+  p_out = round_with_error<Target>(t, r);
+  const float rest = r + e;
+  c = Target::round((t - t) == 0.f ? rest : 0.f);
+}
+
+// A float32 master weight held as a bfloat16 parameter and an int16
+// remainder, bit-exactly. The parameter is the master's top half rounded to
+// nearest (ties away from zero), so the model computes with the nearest
+// bfloat16; the remainder is the low half read as a signed offset from it.
+// A NaN master keeps a NaN parameter (quiet bit set) instead of letting the
+// round-up carry into the sign.
+TC_HD void split_bf16_remainder(float master, uint16_t& hi, int16_t& rem) {
+  const uint32_t u = bit_cast<uint32_t>(master);
+  const uint32_t lo = u & 0xffffu;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  hi = static_cast<uint16_t>(nan ? ((u >> 16) | 0x0040u) : (u >> 16) + (lo >> 15));
+  rem = bit_cast<int16_t>(static_cast<uint16_t>(lo));
+}
+
+TC_HD float join_bf16_remainder(uint16_t hi, int16_t rem) {
+  // A negative remainder means hi was rounded up: the wrap-around sum borrows
+  // it back.
+  return bit_cast<float>((static_cast<uint32_t>(hi) << 16) +
+                         static_cast<uint32_t>(static_cast<int32_t>(rem)));
+}
+
 }  // namespace torchcast

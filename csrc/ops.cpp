@@ -22,11 +22,25 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(torchcast, m) {
   m.def("cast_with_stats(Tensor x, ScalarType dtype) -> (Tensor y, Tensor stats)");
   m.def("cast_with_stats.out(Tensor x, ScalarType dtype, *, Tensor(a!) out) -> Tensor stats");
+
+  // adam_step_ (torchcast.optim): steps every tensor of one dtype group in
+  // place, state counts included.
+#define TORCHCAST_ADAM_ARGS(LR)                                                                 \
+  "(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, " \
+  "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] compensations, Tensor(g!)[] state_steps, *, "    \
+  LR ", float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, " \
+  "bool decoupled_weight_decay, str compensation, Tensor? grad_scale=None, "                   \
+  "Tensor? found_inf=None) -> ()"
+  m.def("adam_step_" TORCHCAST_ADAM_ARGS("float lr"));
+  m.def("adam_step_.tensor_lr" TORCHCAST_ADAM_ARGS("Tensor lr"));
+#undef TORCHCAST_ADAM_ARGS
 }
 
 TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
   m.impl("cast_with_stats", &torchcast::cast_with_stats_cpu);
   m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cpu);
+  m.impl("adam_step_", &torchcast::adam_step_cpu);
+  m.impl("adam_step_.tensor_lr", &torchcast::adam_step_tensor_lr_cpu);
 }
 
 #ifdef TORCHCAST_WITH_CUDA

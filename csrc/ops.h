@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+#include <string_view>
 #include <tuple>
 
 namespace torchcast {
@@ -15,5 +17,24 @@ at::Tensor cast_with_stats_out_cpu(const at::Tensor& x, at::ScalarType dtype, at
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_cuda(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor cast_with_stats_out_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out);
 #endif
+
+// ---------------------------------------------------------------------------
+// adam_step_ (torchcast.optim.Adam/AdamW): one fused step over a dtype group.
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                   at::TensorList compensations, at::TensorList state_steps, double lr,
+                   double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                   bool maximize, bool decoupled_weight_decay, std::string_view compensation,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf);
+void adam_step_tensor_lr_cpu(at::TensorList params, at::TensorList grads,
+                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                             at::TensorList max_exp_avg_sqs, at::TensorList compensations,
+                             at::TensorList state_steps, const at::Tensor& lr, double beta1,
+                             double beta2, double weight_decay, double eps, bool amsgrad,
+                             bool maximize, bool decoupled_weight_decay,
+                             std::string_view compensation,
+                             const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf);
 
 }  // namespace torchcast

@@ -1,6 +1,7 @@
 """torchcast: accountable dtype casts and compensated low-precision arithmetic."""
 from . import _ops  # loads the compiled kernels and registers the ops
 from . import nn
+from . import optim
 from .cast import (
     PrecisionLossError, PrecisionWarning, cast_with_stats, get_policy, last_stats, policy,
     safe_to, set_policy,
@@ -9,5 +10,5 @@ from .stats import CastStats
 
 __all__ = [
     "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
-    "last_stats", "nn", "policy", "safe_to", "set_policy",
+    "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
 ]

@@ -89,3 +89,42 @@ class _FallbackCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         return grad_y.to(ctx.src_dtype), None
+
+
+# ---------------------------------------------------------------------------
+# adam_step_ (torchcast.optim.Adam/AdamW): one fused step over the tensors of
+# one dtype group. It mutates its inputs and returns nothing, so the fake
+# kernels have nothing to compute; the schema's (a!) annotations tell
+# torch.compile what changes.
+
+@torch.library.register_fake("torchcast::adam_step_")
+def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                    state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
+                    decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+    return None
+
+
+@torch.library.register_fake("torchcast::adam_step_.tensor_lr")
+def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                              compensations, state_steps, *, lr, beta1, beta2, weight_decay,
+                              eps, amsgrad, maximize, decoupled_weight_decay, compensation,
+                              grad_scale=None, found_inf=None):
+    return None
+
+
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def has_adam_kernel(device):
+    """Whether a compiled adam_step_ kernel exists for this device type."""
+    key = _DISPATCH_KEYS.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "torchcast::adam_step_", key)
+
+
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+               state_steps, *, lr, **kwargs):
+    """The compiled step; a tensor lr takes the tensor_lr overload."""
+    op = _ops.adam_step_.tensor_lr if isinstance(lr, torch.Tensor) else _ops.adam_step_.default
+    op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps,
+       lr=lr, **kwargs)

@@ -1,0 +1,133 @@
+#include "adam_common.h"
+
+#include <c10/util/Exception.h>
+
+#include "cast_common.h"
+
+namespace torchcast {
+namespace {
+
+Compensation parse_compensation(std::string_view s) {
+  if (s == "none") return Compensation::kNone;
+  if (s == "kahan") return Compensation::kKahan;
+  if (s == "remainder") return Compensation::kRemainder;
+  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan' or "
+                    "'remainder', got '", std::string(s), "'");
+  return Compensation::kNone;
+}
+
+bool is_narrow(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+void check_state_dtype(at::ScalarType param, at::ScalarType state, int64_t i) {
+  const bool ok = is_narrow(param) ? (state == at::kFloat || state == at::kBFloat16)
+                                   : state == param;
+  TORCH_CHECK_TYPE(ok, "torchcast.adam_step_: param ", i, " is ", dtype_name(param),
+                   " but its optimizer states are ", dtype_name(state),
+                   "; supported: float32 or bfloat16 states for bfloat16/float16 params, the "
+                   "param's own dtype for float32/float64 params");
+}
+
+void check_same_shape(const at::Tensor& p, const at::Tensor& t, const char* what, int64_t i) {
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "torchcast.adam_step_: ", what, " ", i,
+                    " is not a dense tensor (layout ", t.layout(),
+                    "); Adam does not support sparse gradients, use torch.optim.SparseAdam");
+  TORCH_CHECK_VALUE(t.sizes() == p.sizes(), "torchcast.adam_step_: ", what, " ", i,
+                    " has shape ", t.sizes(), " but its param has shape ", p.sizes());
+  TORCH_CHECK(t.device() == p.device(), "torchcast.adam_step_: ", what, " ", i, " is on ",
+              t.device(), " but its param is on ", p.device());
+}
+
+}  // namespace
+
+Compensation check_adam_args(at::TensorList params, at::TensorList grads,
+                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                             at::TensorList max_exp_avg_sqs, at::TensorList compensations,
+                             at::TensorList state_steps, bool amsgrad,
+                             std::string_view compensation,
+                             const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf) {
+  const Compensation mode = parse_compensation(compensation);
+  const auto n = static_cast<int64_t>(params.size());
+  const auto count = [&](at::TensorList l, int64_t want, const char* what) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(l.size()) == want, "torchcast.adam_step_: ",
+                      want, " ", what, " expected (one per param", want == 0 ? ", none here" : "",
+                      "), got ", l.size());
+  };
+  count(grads, n, "grads");
+  count(exp_avgs, n, "exp_avgs");
+  count(exp_avg_sqs, n, "exp_avg_sqs");
+  count(max_exp_avg_sqs, amsgrad ? n : 0, "max_exp_avg_sqs");
+  count(compensations, mode == Compensation::kNone ? 0 : n, "compensations");
+  count(state_steps, n, "state_steps");
+  if (n == 0) return mode;
+
+  const at::ScalarType pt = params[0].scalar_type();
+  const at::ScalarType st = exp_avgs[0].scalar_type();
+  TORCH_CHECK_TYPE(pt == at::kDouble || pt == at::kFloat || is_narrow(pt),
+                   "torchcast.adam_step_: params must be float64, float32, bfloat16 or float16, "
+                   "got ", dtype_name(pt));
+  TORCH_CHECK_TYPE(mode != Compensation::kRemainder || pt == at::kBFloat16,
+                   "torchcast.adam_step_: compensation='remainder' stores float32 master "
+                   "weights as bfloat16 + int16 and needs bfloat16 params, got ", dtype_name(pt),
+                   "; use compensation='kahan'");
+  TORCH_CHECK_TYPE(mode != Compensation::kKahan || pt != at::kDouble,
+                   "torchcast.adam_step_: compensation is for float32, bfloat16 and float16 "
+                   "params, got torch.float64");
+  check_state_dtype(pt, st, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK_VALUE(p.layout() == at::kStrided, "torchcast.adam_step_: param ", i,
+                      " is not a dense tensor");
+    TORCH_CHECK(p.device() == params[0].device(), "torchcast.adam_step_: param ", i, " is on ",
+                p.device(), " but param 0 is on ", params[0].device(),
+                "; one call steps one device");
+    TORCH_CHECK_TYPE(p.scalar_type() == pt, "torchcast.adam_step_: param ", i, " is ",
+                     dtype_name(p.scalar_type()), " but param 0 is ", dtype_name(pt),
+                     "; one call steps one dtype group");
+    TORCH_CHECK_TYPE(grads[i].scalar_type() == pt, "torchcast.adam_step_: grad ", i, " is ",
+                     dtype_name(grads[i].scalar_type()), " but its param is ", dtype_name(pt),
+                     "; cast the gradient to the param's dtype");
+    check_same_shape(p, grads[i], "grad", i);
+    const auto check_state = [&](const at::Tensor& s, const char* what) {
+      TORCH_CHECK_TYPE(s.scalar_type() == st, "torchcast.adam_step_: ", what, " ", i, " is ",
+                       dtype_name(s.scalar_type()), " but exp_avg 0 is ", dtype_name(st));
+      check_same_shape(p, s, what, i);
+    };
+    check_state(exp_avgs[i], "exp_avg");
+    check_state(exp_avg_sqs[i], "exp_avg_sq");
+    if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq");
+    if (mode != Compensation::kNone) {
+      const at::ScalarType ct = mode == Compensation::kRemainder ? at::kShort : pt;
+      TORCH_CHECK_TYPE(compensations[i].scalar_type() == ct, "torchcast.adam_step_: ",
+                       "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),
+                       " but must be ", dtype_name(ct));
+      check_same_shape(p, compensations[i], "compensation", i);
+    }
+    const at::Tensor& s = state_steps[i];
+    TORCH_CHECK_VALUE(s.numel() == 1 && (s.scalar_type() == at::kFloat ||
+                                         s.scalar_type() == at::kDouble),
+                      "torchcast.adam_step_: state_step ", i,
+                      " must be a one-element float32 or float64 tensor, got ",
+                      dtype_name(s.scalar_type()), " with ", s.numel(), " elements");
+  }
+  const auto check_scalar = [](const std::optional<at::Tensor>& t, const char* what) {
+    TORCH_CHECK_VALUE(!t.has_value() || (t->numel() == 1 && t->is_floating_point()),
+                      "torchcast.adam_step_: ", what, " must be a one-element floating tensor");
+  };
+  check_scalar(grad_scale, "grad_scale");
+  check_scalar(found_inf, "found_inf");
+  return mode;
+}
+
+double increment_step(const at::Tensor& step) {
+  TORCH_CHECK(step.device().is_cpu(), "torchcast.adam_step_: state steps must be on the CPU, "
+              "got one on ", step.device());
+  if (step.scalar_type() == at::kDouble) {
+    double* s = step.data_ptr<double>();
+    return *s += 1.0;
+  }
+  float* s = step.data_ptr<float>();
+  return *s += 1.0f;
+}
+
+}  // namespace torchcast

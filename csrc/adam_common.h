@@ -1,0 +1,186 @@
+// The Adam/AdamW step shared by the CPU and CUDA kernels: the per-element
+// math (host and device), the step constants, and the host-side argument
+// checks. One element function for both backends keeps their results
+// bit-identical (both are built without contraction or fast math).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <string_view>
+#include <type_traits>
+
+#include "numerics.h"
+
+namespace torchcast {
+
+enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2 };
+
+// float64 parameters and states: computed in float64, never compensated.
+struct Float64Storage {
+  using storage = double;
+  TC_HD static double round(double d) { return d; }
+  TC_HD static double widen(double s) { return s; }
+};
+
+// The arithmetic type of a storage format: float32 for every narrow format.
+template <typename Target>
+struct ComputeOf {
+  using type = float;
+};
+template <>
+struct ComputeOf<Float64Storage> {
+  using type = double;
+};
+
+TC_HD float tc_sqrt(float x) { return sqrtf(x); }
+TC_HD double tc_sqrt(double x) { return sqrt(x); }
+
+// An unsigned integer as wide as T, and a select by a mask of all ones or all
+// zeros in it: gcc does not vectorize a ?: on a loop-invariant bool, but it
+// does vectorize bit operations.
+template <typename T>
+using MaskOf = std::conditional_t<sizeof(T) == 8, uint64_t, uint32_t>;
+
+template <typename T>
+TC_HD T blend(MaskOf<T> mask, T a, T b) {
+  return bit_cast<T>((bit_cast<MaskOf<T>>(a) & mask) | (bit_cast<MaskOf<T>>(b) & ~mask));
+}
+
+template <typename T>
+MaskOf<T> mask_of(bool flag) {
+  return flag ? ~MaskOf<T>(0) : MaskOf<T>(0);
+}
+
+// Constants of one step of one parameter group, rounded once to the compute
+// type from the float64 hyperparameters (as torch rounds its Python-float
+// scalars), so that the uncompensated float32 step follows torch.optim.Adam
+// (to a rounding per step: torch divides by sqrt(1 - beta2^step)).
+// The flags are masks for blend(), uniform over the loop.
+template <typename T>
+struct AdamConsts {
+  T grad_sign;        // -1 when maximizing (exact)
+  T l2;               // Adam's weight decay, added to the gradient
+  T lerp_w, lerp_wc;  // exp_avg.lerp_(grad, w): w = 1 - beta1, wc = 1 - w
+  T beta2, one_minus_beta2;
+  T eps;
+  T decay;  // AdamW: 1 - lr * weight_decay, applied as torch does (param * decay)
+  T lr_wd;  // AdamW compensated: lr * weight_decay, inside the compensated update
+  MaskOf<T> use_l2, lerp_small, use_decay;
+};
+
+// Constants that depend on the parameter's own step count.
+// The bias correction of the second moment is a multiply by a reciprocal
+// rounded once, not a division per element: divisions and square roots are
+// what the compensated loops spend their time on.
+template <typename T>
+struct AdamTensorConsts {
+  T neg_step_size;     // -lr / (1 - beta1^step)
+  T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
+};
+
+struct AdamHyper {
+  double lr, beta1, beta2, weight_decay, eps;
+  bool amsgrad, maximize, decoupled;
+  Compensation mode;
+};
+
+template <typename T>
+AdamConsts<T> adam_consts(const AdamHyper& h) {
+  AdamConsts<T> k;
+  const bool wd = h.weight_decay != 0.0;
+  k.grad_sign = h.maximize ? T(-1) : T(1);
+  k.use_l2 = mask_of<T>(wd && !h.decoupled);
+  k.l2 = static_cast<T>(h.weight_decay);
+  k.lerp_w = static_cast<T>(1.0 - h.beta1);
+  k.lerp_wc = T(1) - k.lerp_w;  // in T, as ATen's lerp computes it
+  k.lerp_small = mask_of<T>(std::abs(k.lerp_w) < T(0.5));
+  k.beta2 = static_cast<T>(h.beta2);
+  k.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
+  k.eps = static_cast<T>(h.eps);
+  k.use_decay = mask_of<T>(wd && h.decoupled);
+  k.decay = wd && h.decoupled ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
+  k.lr_wd = static_cast<T>(h.lr * h.weight_decay);
+  return k;
+}
+
+template <typename T>
+AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step) {
+  const double bc1 = 1.0 - std::pow(h.beta1, step);
+  const double bc2 = 1.0 - std::pow(h.beta2, step);
+  return {static_cast<T>(-(h.lr / bc1)), static_cast<T>(1.0 / std::sqrt(bc2))};
+}
+
+// torch.maximum: NaN in either operand gives NaN.
+template <typename T>
+TC_HD T max_nan(T a, T b) {
+  return (a > b || a != a) ? a : b;
+}
+
+// One element of the step. PT/ST: parameter and state storage formats
+// (Float64Storage, Float32Target, BFloat16Target, Float16Target); M: how the
+// parameter carries its rounding error. Everything is computed and selected
+// without branches so that the loops vectorize.
+template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+struct AdamElement {
+  using T = typename ComputeOf<PT>::type;
+  using P = typename PT::storage;
+  using S = typename ST::storage;
+  using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
+
+  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, P& p, P g,
+                         S& m, S& v, S& vmax, C& c) {
+    T pv;
+    if constexpr (M == Compensation::kRemainder) {
+      pv = join_bf16_remainder(p, c);
+    } else {
+      pv = PT::widen(p);
+    }
+    T gr = PT::widen(g) * k.grad_sign;
+    gr = blend(k.use_l2, gr + k.l2 * pv, gr);
+
+    const T mo = ST::widen(m);
+    const T mn = blend(k.lerp_small, mo + k.lerp_w * (gr - mo), gr - (gr - mo) * k.lerp_wc);
+    const T vn = ST::widen(v) * k.beta2 + (k.one_minus_beta2 * gr) * gr;
+    // The stored (possibly bfloat16) moments drive the update, so a step is
+    // reproducible from the saved state.
+    m = ST::round(mn);
+    v = ST::round(vn);
+    T vv = ST::widen(v);
+    if constexpr (kAmsgrad) {
+      vmax = ST::round(max_nan(ST::widen(vmax), vv));
+      vv = ST::widen(vmax);
+    }
+    const T denom = tc_sqrt(vv) * t.inv_bc2_sqrt + k.eps;
+    const T upd = (t.neg_step_size * ST::widen(m)) / denom;
+
+    if constexpr (M == Compensation::kNone) {
+      p = PT::round(pv * k.decay + upd);
+    } else {
+      // Compensated, decoupled decay joins the update rather than scaling
+      // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
+      const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
+      if constexpr (M == Compensation::kKahan) {
+        kahan_update<PT>(pv, p, c, u);
+      } else {
+        split_bf16_remainder(pv + u, p, c);
+      }
+    }
+  }
+};
+
+// Host-side checks shared by the backends; everything is checked before
+// anything is written. Returns the parsed compensation mode.
+Compensation check_adam_args(at::TensorList params, at::TensorList grads,
+                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                             at::TensorList max_exp_avg_sqs, at::TensorList compensations,
+                             at::TensorList state_steps, bool amsgrad,
+                             std::string_view compensation,
+                             const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf);
+
+// The value of a one-element step counter after adding one to it in place.
+double increment_step(const at::Tensor& step);
+
+}  // namespace torchcast

@@ -1,0 +1,147 @@
+"""Pure-PyTorch restatement of the adam_step_ kernel (csrc/adam_common.h).
+
+The same float operations in the same order, each one a correctly rounded
+torch elementwise op (no lerp, addcmul or addcdiv: ATen may fuse those into
+FMAs), so this gives the kernel's bits on devices without a compiled kernel
+and serves the tests as the kernel's independent statement. One exception:
+torch's float64 sqrt is not correctly rounded on CPUs (SLEEF on AVX-512), so
+float64 params can differ from the kernel in the last bit of a step. Takes the
+op's arguments; the optimizer has checked them.
+"""
+import math
+from types import SimpleNamespace
+
+import torch
+
+
+def compute_dtype(param_dtype):
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def _rounder(compute):
+    if compute == torch.float64:
+        return float
+    return lambda x: torch.tensor(x, dtype=torch.float32).item()
+
+
+def step_constants(compute, lr, beta1, beta2, weight_decay, eps, maximize, decoupled):
+    """AdamConsts: the hyperparameters rounded once to the compute dtype."""
+    r = _rounder(compute)
+    wd = weight_decay != 0
+    w = r(1.0 - beta1)
+    return SimpleNamespace(
+        grad_sign=-1.0 if maximize else 1.0,
+        use_l2=wd and not decoupled, l2=r(weight_decay),
+        lerp_w=w, lerp_wc=r(1.0 - w), lerp_small=abs(w) < 0.5,
+        beta2=r(beta2), one_minus_beta2=r(1.0 - beta2), eps=r(eps),
+        use_decay=wd and decoupled,
+        decay=r(1.0 - lr * weight_decay) if wd and decoupled else 1.0,
+        lr_wd=r(lr * weight_decay))
+
+
+def tensor_constants(compute, lr, beta1, beta2, step):
+    """AdamTensorConsts: what depends on the parameter's step count."""
+    r = _rounder(compute)
+    return SimpleNamespace(neg_step_size=r(-(lr / (1.0 - beta1 ** step))),
+                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)))
+
+
+def _sqrt(x):
+    # torch's float32 sqrt is not correctly rounded on AVX-512 CPUs; through
+    # float64 it is (53 >= 2 * 24 + 2 bits: the double rounding is innocuous,
+    # even from a float64 sqrt one ulp off). MPS has no float64.
+    if x.dtype == torch.float32 and x.device.type != "mps":
+        return x.double().sqrt().float()
+    return x.sqrt()
+
+
+def _as_int16(v):
+    """int64 values in [0, 2^16) reinterpreted as int16 bits."""
+    return (v - (v >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
+
+
+def join_bf16_remainder(p, rem):
+    """The float32 master weight held by a bfloat16 param and its int16 remainder."""
+    hi = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((hi << 16) + rem.to(torch.int64)) & 0xFFFFFFFF
+    bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def split_bf16_remainder(master):
+    """(bfloat16 param, int16 remainder) holding a float32 master bit-exactly:
+    the top half rounded to nearest, ties away from zero (a NaN stays NaN)."""
+    u = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lo = u & 0xFFFF
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    hi = torch.where(nan, (u >> 16) | 0x40, (u >> 16) + (lo >> 15)) & 0xFFFF
+    return _as_int16(hi).view(torch.bfloat16), _as_int16(lo)
+
+
+def kahan_update(pv, p, c, u):
+    """numerics.h kahan_update: p, c <- one rounding of pv + (u + c)."""
+    y = u + c.to(pv.dtype)
+    t = pv + y
+    p_bigger = pv.abs() >= y.abs()
+    big = torch.where(p_bigger, pv, y)
+    small = torch.where(p_bigger, y, pv)
+    e = ((big - t) + small) + 0.0
+    p.copy_(t)
+    rest = (t - p.to(pv.dtype)) + e
+    c.copy_(torch.where(torch.isfinite(t), rest, torch.zeros_like(rest)))
+
+
+def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
+    pv = join_bf16_remainder(p, c) if mode == "remainder" else p.to(compute)
+    gr = g.to(compute) * k.grad_sign
+    if k.use_l2:
+        gr = gr + k.l2 * pv
+    mo = m.to(compute)
+    if k.lerp_small:
+        mn = mo + k.lerp_w * (gr - mo)
+    else:
+        mn = gr - (gr - mo) * k.lerp_wc
+    vn = v.to(compute) * k.beta2 + (k.one_minus_beta2 * gr) * gr
+    m.copy_(mn)
+    v.copy_(vn)
+    vv = v.to(compute)
+    if amsgrad:
+        vmax.copy_(torch.maximum(vmax.to(compute), vv))
+        vv = vmax.to(compute)
+    denom = _sqrt(vv) * t.inv_bc2_sqrt + k.eps
+    upd = (t.neg_step_size * m.to(compute)) / denom
+    if mode == "none":
+        p.copy_(pv * k.decay + upd)
+        return
+    u = upd - k.lr_wd * pv if k.use_decay else upd
+    if mode == "kahan":
+        kahan_update(pv, p, c, u)
+    else:
+        hi, lo = split_bf16_remainder(pv + u)
+        p.copy_(hi)
+        c.copy_(lo)
+
+
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+               state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
+               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+    """torch.ops.torchcast.adam_step_ in pure PyTorch."""
+    if not params:
+        return
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    if grad_scale is not None:
+        inv = 1.0 / grad_scale.item()
+        for g in grads:
+            g.mul_(inv)
+    lr = float(lr)
+    compute = compute_dtype(params[0].dtype)
+    k = step_constants(compute, lr, beta1, beta2, weight_decay, eps, maximize,
+                       decoupled_weight_decay)
+    for i, p in enumerate(params):
+        step = state_steps[i]
+        step.add_(1)
+        t = tensor_constants(compute, lr, beta1, beta2, step.item())
+        _step_tensor(k, t, compute, compensation, amsgrad, p, grads[i], exp_avgs[i],
+                     exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None,
+                     compensations[i] if compensation != "none" else None)
