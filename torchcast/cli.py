@@ -8,6 +8,8 @@ import runpy
 import sys
 import traceback
 
+import torch
+
 from .track import track
 
 
@@ -40,13 +42,23 @@ def _exit_code(exc):
     return 1
 
 
+_INTERNAL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
+
+
 def _print_script_error(exc, script):
-    """The traceback from the script's own frames on (not runpy's or ours)."""
-    tb = exc.__traceback__
+    """The traceback from the script's first frame to its last frame outside
+    torch and torchcast: a violation raised by track shows the script's line,
+    not the dispatcher's internals."""
+    frames = traceback.extract_tb(exc.__traceback__)
     path = os.path.abspath(script)
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__, file=sys.stderr)
+    first = next((i for i, f in enumerate(frames) if os.path.abspath(f.filename) == path), 0)
+    frames = frames[first:]
+    last = max((i for i, f in enumerate(frames)
+                if not os.path.abspath(f.filename).startswith(_INTERNAL)), default=len(frames) - 1)
+    lines = ["Traceback (most recent call last):\n"]
+    lines += traceback.format_list(frames[:last + 1])
+    lines += traceback.format_exception_only(type(exc), exc)
+    sys.stderr.write("".join(lines))
 
 
 def main(argv=None):
