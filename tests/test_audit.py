@@ -363,3 +363,11 @@ def test_python_dash_m_torchcast_audit(script):
     assert run.returncode == 1
     assert "ValueError: the script failed" in run.stderr
     assert "... 3 more sites" in run.stderr
+
+
+def test_target_checked_even_when_forward_fails():
+    x = torch.from_numpy(np.random.default_rng(2).normal(size=(4, 4)))  # float64
+    target = torch.tensor([0, 1, 2, 0], dtype=torch.int32)
+    report = torchcast.audit(mlp(), x, target=target, loss_fn=torch.nn.CrossEntropyLoss())
+    assert [f.kind for f in report.findings] == ["input_dtype", "forward_error", "target_dtype"]
+    assert report.findings[1].fix == "see the findings above for its cause"

@@ -92,6 +92,7 @@ def test_first_row_float32_value_and_its_error():
     assert f"{y[0].item():.8g}" == "1.2345679"  # the article's value
     rel = ((y.double() - x) / x).abs()
     assert 0 < rel.max() < 2.0 ** -24  # not 0%: one rounding, at most half an ulp
+    assert rel.tolist() == pytest.approx([7.7e-9, 4.0e-8], rel=0.02)
     with torchcast.track(all_casts=True, policy="record") as report:
         x.float()
     s = report.records[0].stats
@@ -106,7 +107,8 @@ def test_hundred_square_roots_reach_exactly_one():
     for _ in range(100):
         x64, x32 = x64.sqrt(), x32.sqrt()
     assert x64.item() == 1.0 and x32.item() == 1.0
-    assert math.log(1.23456789012345) * 2.0 ** -100 < 2.0 ** -53
+    assert math.log(1.23456789012345) * 2.0 ** -100 == pytest.approx(1.7e-31, rel=0.02)
+    assert 1.7e-31 < 2.0 ** -53  # far below float64's resolution at 1
 
 
 def test_e_row_is_just_e_rounded():
@@ -132,7 +134,9 @@ def test_float32_accumulated_error_depends_on_the_algorithm():
 
 def test_float16_gradients_underflow_bfloat16_do_not():
     g = torch.tensor([1e-8, 3e-6])
-    assert g.half()[0] == 0 and g.half()[1] != 0          # float16: below 6e-8 is gone
+    assert g.half()[0] == 0 and g.half()[1] != 0
+    smallest = torch.tensor([2.0 ** -24, 2.0 ** -26]).half()  # the smallest float16: 6e-8
+    assert smallest[0] == 2.0 ** -24 and smallest[1] == 0
     assert (g.bfloat16() != 0).all()                       # bfloat16 has float32's range
     with torchcast.track(all_casts=True, policy="record") as report:
         g.half()
@@ -236,7 +240,8 @@ def test_buffer_follows_model_to_dtype():
 # --- the Adam article ---------------------------------------------------------------------
 
 def test_float64_input_into_float32_linear_raises():
-    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype, but got "
+                                           "Double and Float"):
         torch.nn.Linear(3, 2)(torch.randn(4, 3, dtype=torch.float64))
 
 
@@ -269,6 +274,8 @@ def test_set_default_dtype_does_not_convert_numpy_or_loaded_data(default_dtype):
     torch.set_default_dtype(torch.float64)
     assert before.weight.dtype == torch.float32  # made before: unchanged
     assert torch.nn.Linear(2, 2).weight.dtype == torch.float64  # made after
+    assert torch.tensor([0.5]).dtype == torch.float64  # Python numbers follow
+    assert torch.from_numpy(np.random.rand(3).astype(np.float32)).dtype == torch.float32
 
 
 def test_set_default_tensor_type_is_deprecated(default_dtype):

@@ -443,6 +443,15 @@ def test_nothing_is_intercepted_outside_track():
     assert _interception_state() == before
 
 
+def test_inplace_op_with_a_wider_operand_is_not_a_cast():
+    """A known limit: x32.add_(y64) computes in float64 and stores float32
+    inside one op; the dispatcher sees no cast, and track records none."""
+    x, y = torch.zeros(3), torch.full((3,), 1 / 3, dtype=torch.float64)
+    with torchcast.track(all_casts=True, policy="record") as report:
+        x.add_(y)
+    assert x.dtype == torch.float32 and x[0].item() != 1 / 3 and len(report) == 0
+
+
 def test_meta_tensors_pass_through():
     with torchcast.track(all_casts=True, policy="record") as report:
         y = torch.empty(3, device="meta", dtype=torch.float64).half()

@@ -156,19 +156,28 @@ def _is(loss_fn, family):
     return any(loss_fn is f or (isinstance(f, type) and isinstance(loss_fn, f)) for f in family)
 
 
-def _target_findings(loss_fn, output, target):
-    if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
+def _target_findings(loss_fn, output, target, model):
+    """Target dtype checks; ``output`` may be None (the forward failed): then
+    only what the target alone tells is checked, against the model's dtype."""
+    if not isinstance(target, torch.Tensor):
         return []
+    if not isinstance(output, torch.Tensor):
+        output = None
+    out_dtype = output.dtype if output is not None else next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     where = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    t, o = _short(target.dtype), _short(output.dtype)
+    t, o = _short(target.dtype), _short(out_dtype)
     if _is(loss_fn, _CLASS_INDEX_LOSSES):
-        if target.is_floating_point() and target.shape == output.shape:
-            if target.dtype != output.dtype:
-                return [Finding("target_dtype", "warning", where,
-                                f"class-probability targets are {t}, the logits {o}: the loss "
-                                f"is computed in the wider dtype.",
-                                f"target.to(torch.{o}) once, where the targets are made.")]
-            return []
+        if target.is_floating_point():
+            if output is None:
+                return []  # probabilities or indices: the output's shape tells
+            if target.shape == output.shape:
+                if target.dtype != output.dtype:
+                    return [Finding("target_dtype", "warning", where,
+                                    f"class-probability targets are {t}, the logits {o}: the "
+                                    "loss is computed in the wider dtype.",
+                                    f"target.to(torch.{o}) once, where the targets are made.")]
+                return []
         if target.dtype not in (torch.int64, torch.uint8):
             return [Finding("target_dtype", "error", where,
                             f"class-index targets are {t}; the loss expects int64 (long) class "
@@ -178,7 +187,7 @@ def _target_findings(loss_fn, output, target):
         return []
     family = ("binary" if _is(loss_fn, _BINARY_LOSSES)
               else "regression" if _is(loss_fn, _REGRESSION_LOSSES) else None)
-    if family is None or not output.is_floating_point():
+    if family is None or not out_dtype.is_floating_point:
         return []
     if not target.is_floating_point():
         severity = "error" if family == "binary" else "warning"
@@ -187,7 +196,7 @@ def _target_findings(loss_fn, output, target):
         return [Finding("target_dtype", severity, where,
                         f"{family} loss with {t} targets and {o} outputs: {consequence}.",
                         f"target.to(torch.{o}) once, where the targets are made.")]
-    if target.dtype != output.dtype:
+    if target.dtype != out_dtype:
         return [Finding("target_dtype", "warning", where,
                         f"targets are {t}, the outputs {o}: the loss is promoted to the wider "
                         "dtype and its gradient cast back.",
@@ -363,16 +372,20 @@ def audit(model, example_inputs, optimizer=None, *, target=None, loss_fn=None):
         handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
         try:
             out = _call(model, example_inputs)
+            failure = None
         except Exception as e:  # the audit reports what breaks the step
-            out = None
-            findings.append(_error("forward_error", type(model).__name__, e,
-                                   "see the findings above for its cause" if check.findings
-                                   else "run the forward alone to see the failing line"))
+            out, failure = None, e
         finally:
             handle.remove()
+        findings += list(check.findings.values())
+        if failure is not None:
+            findings.append(_error("forward_error", type(model).__name__, failure,
+                                   "see the findings above for its cause" if check.findings
+                                   else "run the forward alone to see the failing line"))
+        if loss_fn is not None:
+            findings += _target_findings(loss_fn, out, target, model)
         loss = None
         if out is not None and loss_fn is not None:
-            findings += _target_findings(loss_fn, out, target)
             try:
                 loss = loss_fn(out, target)
             except Exception as e:
@@ -389,7 +402,6 @@ def audit(model, example_inputs, optimizer=None, *, target=None, loss_fn=None):
             except Exception as e:
                 findings.append(_error("backward_error", "backward", e,
                                        "see the findings above for its cause"))
-    findings += list(check.findings.values())
     findings += _cast_findings(casts)
     return AuditReport(findings, casts, ran_backward)
 

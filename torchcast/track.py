@@ -134,6 +134,7 @@ def _names_of(root):
         names = {}
         for path, module in root.named_modules(remove_duplicate=False):
             names.setdefault(module, path)
+        del names[root]  # a value referring to its weak key would keep it alive
         _names_cache[root] = names
     return names
 
