@@ -452,6 +452,20 @@ def test_inplace_op_with_a_wider_operand_is_not_a_cast():
     assert x.dtype == torch.float32 and x[0].item() != 1 / 3 and len(report) == 0
 
 
+def test_compiled_function_inside_track():
+    """The mode's handler is marked for Dynamo to skip instead of wrapped per
+    call; a torch.compile'd function in the block still runs as in eager."""
+    @torch.compile(backend="eager")
+    def f(x):
+        return x.half() * 2
+
+    x = torch.tensor([1 / 3, 1e6], dtype=torch.float64)
+    with torchcast.track(all_casts=True, policy="record") as report:
+        got = f(x)
+    assert torch.equal(bits(got), bits(x.half() * 2))
+    assert only(report).stats.overflow == 1
+
+
 def test_meta_tensors_pass_through():
     with torchcast.track(all_casts=True, policy="record") as report:
         y = torch.empty(3, device="meta", dtype=torch.float64).half()

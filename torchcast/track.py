@@ -394,7 +394,24 @@ def _analyse_complex(src, dtype, t, grad_enabled):
 # ---------------------------------------------------------------------------
 # The dispatch mode: one per thread, shared by nested all_casts trackers.
 
+try:  # Dynamo's per-code-object frame strategy (torch >= 2.4)
+    from torch._C._dynamo import eval_frame as _eval_frame
+    _SKIP_RECURSIVELY = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP,
+                                                       _eval_frame._FrameAction.SKIP)
+except (ImportError, AttributeError):  # pragma: no cover - older or Dynamo-less builds
+    _eval_frame = None
+
+
 class _CastMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # Dynamo must not trace the handler. TorchDispatchMode ensures it by
+        # wrapping __torch_dispatch__ in torch._disable_dynamo, a per-call
+        # Python wrapper that costs about a third of the mode's per-op
+        # overhead; marking the handler's code object skipped, recursively,
+        # once (below) does the same at no per-call cost.
+        return _eval_frame is None
+
     def __init__(self):
         super().__init__()
         self.trackers = []
@@ -405,6 +422,10 @@ class _CastMode(TorchDispatchMode):
         if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
             return func._op(*args, **kwargs) if kwargs else func._op(*args)
         return func(*args, **(kwargs or {}))
+
+
+if _eval_frame is not None:
+    _eval_frame.set_code_exec_strategy(_CastMode.__torch_dispatch__.__code__, _SKIP_RECURSIVELY)
 
 
 def _tracked_cast(trackers, func, args, kwargs):
