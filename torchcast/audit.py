@@ -4,7 +4,6 @@ comes with a concrete fix. The model and the optimizer are left exactly as
 they were."""
 import dataclasses
 import json
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

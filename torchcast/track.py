@@ -54,8 +54,7 @@ _RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1
 _HALVES = (torch.float16, torch.bfloat16)
 _REAL_OF = {torch.complex128: torch.float64, torch.complex64: torch.float32,
             torch.complex32: torch.float16}
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_NUMEL = STAT_FIELDS.index("numel")
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor) pass through
 
 
 # ---------------------------------------------------------------------------
@@ -429,6 +428,7 @@ if _eval_frame is not None:
 
 
 def _tracked_cast(trackers, func, args, kwargs):
+    """Runs one cast op as PyTorch would, recording it into every tracker."""
     if func is _TO_COPY:
         src, dtype, dst = args[0], kwargs.get("dtype"), None
     else:
@@ -468,10 +468,6 @@ def _tracked_cast(trackers, func, args, kwargs):
         for tracker in trackers:
             tracker._apply_policy(key, cast, pending)
     return func(*args, **kwargs) if out is None else out
-
-
-def _mode_for_thread():
-    return getattr(_local, "mode", None)
 
 
 # ---------------------------------------------------------------------------
@@ -811,7 +807,7 @@ class track:
         _installed.acquire(self.all_casts)
         _cast._push_tracker(self)
         if self.all_casts:
-            mode = _mode_for_thread()
+            mode = getattr(_local, "mode", None)
             if mode is None:
                 mode = _local.mode = _CastMode()
                 mode.__enter__()
