@@ -12,3 +12,9 @@ __all__ = [
     "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
     "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
 ]
+
+# --- torchcast.track / torchcast.audit (issue 5) ---
+from .track import Record, Report, track  # noqa: E402
+from .audit import AuditReport, Finding, audit  # noqa: E402
+
+__all__ += ["AuditReport", "Finding", "Record", "Report", "audit", "track"]

@@ -100,10 +100,11 @@ def _describe(name):
     return f"safe_to({name})" if name else "safe_to"
 
 
-def _violation_message(x, y, s, rtol, atol, name):
+def _violation_message(x, y, s, rtol, atol, name, head=None, advice=None):
     """Builds the report of a violating cast. Only runs when a violation was
     found, so the elements breaking rtol/atol are counted here with composite
-    ops rather than in the fused kernel."""
+    ops rather than in the fused kernel. ``head`` and ``advice`` replace the
+    head and the closing advice (torchcast.track names the cast's site)."""
     parts = []
     for field, what in (("overflow", "overflowed to inf"), ("underflow", "underflowed to zero"),
                         ("subnormal", "became subnormal")):
@@ -120,11 +121,19 @@ def _violation_message(x, y, s, rtol, atol, name):
         if atol is not None and s.max_abs_err > atol:
             broke = int((err > atol).sum())
             parts.append(f"{broke} broke atol={atol:g}")
+    if advice is None:
+        advice = (f"Keep {s.src_dtype}, rescale the data, or pass policy='ignore' if the loss "
+                  "is acceptable.")
     return (
-        f"{_describe(name)}: casting {s.numel} elements from {s.src_dtype} to {s.dtype} lost "
-        f"precision: {', '.join(parts)} (max abs err {s.max_abs_err:.6g}, max rel err "
-        f"{s.max_rel_err:.6g}). Keep {s.src_dtype}, rescale the data, or pass policy='ignore' "
-        "if the loss is acceptable.")
+        f"{head or _describe(name)}: casting {s.numel} elements from {s.src_dtype} to {s.dtype} "
+        f"lost precision: {', '.join(parts)} (max abs err {s.max_abs_err:.6g}, max rel err "
+        f"{s.max_rel_err:.6g}). {advice}")
+
+
+def _graph_cut_message(what, src_dtype, dtype):
+    return (f"{what}: casting a {src_dtype} tensor that requires grad to {dtype} cuts the "
+            "autograd graph: the result has no gradient. Keep a floating copy for the loss, "
+            "or detach() explicitly.")
 
 
 def _is_violation(s, rtol, atol):
@@ -170,9 +179,7 @@ def safe_to(x, dtype=None, *, policy=None, rtol=None, atol=None, name=None):
 
     if not (dtype.is_floating_point or dtype.is_complex) and x.is_floating_point():
         if x.requires_grad and pol in ("warn", "raise") and not torch.compiler.is_compiling():
-            _act(pol, f"{_describe(name)}: casting a {x.dtype} tensor that requires grad to "
-                 f"{dtype} cuts the autograd graph: the result has no gradient. Keep a "
-                 "floating copy for the loss, or detach() explicitly.", None)
+            _act(pol, _graph_cut_message(_describe(name), x.dtype, dtype), None)
         return x.to(dtype)
     if x.dtype == dtype:
         return x

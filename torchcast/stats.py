@@ -117,3 +117,21 @@ class PendingStats:
         if self._value is None:
             self._value = CastStats.from_tensor(self.tensor, self.src_dtype, self.dtype)
         return self._value
+
+
+# ---------------------------------------------------------------------------
+# Merging stats tensors on the device (torchcast.track): the tensor form of
+# CastStats.__add__, so that merged stats stay on the device until read.
+
+_MAX_COLUMNS = [STAT_FIELDS.index(name) for name in _MAXIMA]
+_MAX_LO, _MAX_HI = min(_MAX_COLUMNS), max(_MAX_COLUMNS) + 1
+assert _MAX_HI - _MAX_LO == len(_MAX_COLUMNS), "the maxima must be adjacent in STAT_FIELDS"
+
+
+def merge_stats_tensors(stacked):
+    """Merges stats tensors stacked along dim 0 (shape (k, len(STAT_FIELDS)),
+    k >= 1) into one: counts and sums add, maxima take the max. No host
+    synchronization."""
+    merged = stacked.sum(0)
+    merged[_MAX_LO:_MAX_HI] = stacked[:, _MAX_LO:_MAX_HI].amax(0)
+    return merged
