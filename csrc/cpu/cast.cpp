@@ -2,91 +2,59 @@
 // rounded y and reduces the error statistics, parallel over fixed-size chunks
 // so that the result does not depend on the thread count.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
+#include <ATen/Version.h>
+#include <c10/util/SmallVector.h>
 
-#include <memory>
-#include <type_traits>
+#include <algorithm>
+#include <array>
 
 #include "../cast_common.h"
 #include "../ops.h"
+#include "cast_avx512.h"
+#include "lanes.h"
 #include "simd.h"
 
 namespace torchcast {
 namespace {
 
-// Per-lane accumulators of one chunk, structure-of-arrays so that the
-// contiguous loop vectorizes across lanes (each lane is an independent
-// sequential Neumaier sum, so no reassociation is needed).
-template <typename From>
-struct LaneState {
-  static constexpr int kLanes = lanes_of<From>();
+using cpu::LaneState;
 
-  alignas(64) float abs_s[kLanes];
-  alignas(64) float abs_c[kLanes];
-  alignas(64) float sq_err_s[kLanes];
-  alignas(64) float sq_err_c[kLanes];
-  alignas(64) float sq_s[kLanes];
-  alignas(64) float sq_c[kLanes];
-  alignas(64) From max_abs[kLanes];
-  alignas(64) From max_rel[kLanes];
-  int64_t nan, inexact, overflow, underflow, subnormal;
+// Whether to take the AVX-512 loop: the CPU has it and ATen uses it too, so
+// ATEN_CPU_CAPABILITY=avx2 or =default selects the portable loop (which is
+// how the tests reach it on an AVX-512 machine).
+bool use_avx512() {
+#ifdef TORCHCAST_HAVE_AVX512
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                          at::get_cpu_capability() == "AVX512";
+  return yes;
+#else
+  return false;
+#endif
+}
 
-  void reset() {
-    for (int l = 0; l < kLanes; ++l) {
-      abs_s[l] = abs_c[l] = sq_err_s[l] = sq_err_c[l] = sq_s[l] = sq_c[l] = 0.f;
-      max_abs[l] = max_rel[l] = From(0);
-    }
-    nan = inexact = overflow = underflow = subnormal = 0;
-  }
-
-  ChunkStats<From> finish() const {
-    ChunkStats<From> out;
-    out.nan = nan;
-    out.inexact = inexact;
-    out.overflow = overflow;
-    out.underflow = underflow;
-    out.subnormal = subnormal;
-    constexpr int vec = vec_of<From>();
-    ErrorSums per_thread[kBlockThreads];
-    for (int t = 0; t < kBlockThreads; ++t) {
-      ErrorSums acc;
-      for (int v = 0; v < vec; ++v) {
-        const int l = t * vec + v;
-        acc.merge(ErrorSums{abs_s[l], abs_c[l], sq_err_s[l], sq_err_c[l], sq_s[l], sq_c[l]});
-      }
-      per_thread[t] = acc;
-    }
-    block_tree_reduce(per_thread);
-    out.sums = per_thread[0];
-    for (int l = 0; l < kLanes; ++l) {
-      out.max_abs_err = max_abs[l] > out.max_abs_err ? max_abs[l] : out.max_abs_err;
-      out.max_rel_err = max_rel[l] > out.max_rel_err ? max_rel[l] : out.max_rel_err;
-    }
-    return out;
-  }
-};
-
-// Casts n elements (strides in elements) into lanes [lane, lane + n) of st.
-// Counters are local and as wide as From so the loop vectorizes.
-template <typename From, typename Target, bool kUnitStride>
-TC_CPU_CLONES void cast_run(LaneState<From>* __restrict__ st, const From* __restrict__ x,
-                            int64_t sx, typename Target::storage* __restrict__ y, int64_t sy,
-                            int lane, int n) {
+// The portable loop: n <= kLanes - lane contiguous elements into lanes
+// [lane, lane + n), one ElementMeasure each. Counters are local and as wide
+// as From, and the maxima kept per lane, so that the loop vectorizes.
+template <typename From, typename Target>
+TC_CPU_CLONES void portable_run(LaneState<From>* __restrict__ st, const From* __restrict__ x,
+                                typename Target::storage* __restrict__ y, int lane, int n) {
   using Count = std::conditional_t<sizeof(From) == 8, int64_t, int32_t>;
-  if (kUnitStride) sx = sy = 1;
-  float* __restrict__ abs_s = st->abs_s + lane;
-  float* __restrict__ abs_c = st->abs_c + lane;
-  float* __restrict__ sq_err_s = st->sq_err_s + lane;
-  float* __restrict__ sq_err_c = st->sq_err_c + lane;
-  float* __restrict__ sq_s = st->sq_s + lane;
-  float* __restrict__ sq_c = st->sq_c + lane;
+  float* __restrict__ abs_s = st->sums[cpu::kAbsS] + lane;
+  float* __restrict__ abs_c = st->sums[cpu::kAbsC] + lane;
+  float* __restrict__ sq_err_s = st->sums[cpu::kSqErrS] + lane;
+  float* __restrict__ sq_err_c = st->sums[cpu::kSqErrC] + lane;
+  float* __restrict__ sq_s = st->sums[cpu::kSqS] + lane;
+  float* __restrict__ sq_c = st->sums[cpu::kSqC] + lane;
   From* __restrict__ max_abs = st->max_abs + lane;
   From* __restrict__ max_rel = st->max_rel + lane;
   Count c_nan = 0, c_inexact = 0, c_overflow = 0, c_underflow = 0, c_subnormal = 0;
   for (int j = 0; j < n; ++j) {
-    const ElementMeasure<Target, From> m(x[j * sx]);
-    y[j * sy] = m.y;
+    const ElementMeasure<Target, From> m(x[j]);
+    y[j] = m.y;
     c_nan += m.nan;
     c_inexact += m.inexact;
     c_overflow += m.overflow;
@@ -106,60 +74,143 @@ TC_CPU_CLONES void cast_run(LaneState<From>* __restrict__ st, const From* __rest
 }
 
 template <typename From, typename Target>
-at::Tensor narrowing_cast_cpu(const at::Tensor& x, at::Tensor& y) {
-  using State = LaneState<From>;
+struct CastCpu {
   using Storage = typename Target::storage;
-  constexpr int kLanes = State::kLanes;
+  using State = LaneState<From>;
+  static constexpr int kLanes = State::kLanes;
 
-  auto iter = at::TensorIteratorConfig()
-                  .add_output(y)
-                  .add_const_input(x)
-                  .check_all_same_dtype(false)
-                  .resize_outputs(false)
-                  .build();
-  const int64_t numel = iter.numel();
-  const int64_t nchunks = (numel + kChunk - 1) / kChunk;
-  std::vector<ChunkStats<From>> partials(static_cast<size_t>(nchunks));
-
-  at::parallel_for(0, nchunks, 1, [&](int64_t first, int64_t last) {
-    auto state = std::make_unique<State>();
-    for (int64_t c = first; c < last; ++c) {
-      state->reset();
-      int64_t pos = 0;  // position inside the chunk: decides the lane
-      auto loop = [&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
-        const int64_t sy = strides[0] / static_cast<int64_t>(sizeof(Storage));
-        const int64_t sx = strides[1] / static_cast<int64_t>(sizeof(From));
-        for (int64_t r = 0; r < size1; ++r) {
-          auto* yp = reinterpret_cast<Storage*>(data[0] + r * strides[2]);
-          auto* xp = reinterpret_cast<const From*>(data[1] + r * strides[3]);
-          for (int64_t done = 0; done < size0;) {
-            const int lane = static_cast<int>(pos % kLanes);
-            const int n = static_cast<int>(std::min<int64_t>(size0 - done, kLanes - lane));
-            if (sx == 1 && sy == 1) {
-              cast_run<From, Target, true>(state.get(), xp + done, 1, yp + done, 1, lane, n);
-            } else {
-              cast_run<From, Target, false>(state.get(), xp + done * sx, sx, yp + done * sy,
-                                            sy, lane, n);
-            }
-            done += n;
-            pos += n;
-          }
-        }
-      };
-      iter.serial_for_each(loop, {c * kChunk, std::min(numel, (c + 1) * kChunk)});
-      partials[static_cast<size_t>(c)] = state->finish();
+  // n contiguous elements, the first in lane `lane`.
+  static void run(State* st, const From* x, Storage* y, int lane, int64_t n) {
+#ifdef TORCHCAST_HAVE_AVX512
+    if (use_avx512()) {
+      cpu::avx512::Kernel<From, Target>::run(st, x, y, lane, n);
+      return;
     }
-  });
+#endif
+    while (n > 0) {
+      const int k = static_cast<int>(std::min<int64_t>(n, kLanes - lane));
+      portable_run<From, Target>(st, x, y, lane, k);
+      x += k;
+      y += k;
+      n -= k;
+      lane = (lane + k) % kLanes;
+    }
+  }
 
-  auto stats = at::empty({kNumStats}, x.options().dtype(at::kDouble));
-  reduce_partials(partials.data(), nchunks).write(stats.data_ptr<double>(), numel);
-  return stats;
-}
+  // n elements at strides sx, sy (in elements), through contiguous buffers.
+  static void run_strided(State* st, const From* x, int64_t sx, Storage* y, int64_t sy, int lane,
+                          int64_t n) {
+    constexpr int kBuffer = 1024;
+    alignas(64) From xb[kBuffer];
+    alignas(64) Storage yb[kBuffer];
+    for (int64_t done = 0; done < n;) {
+      const int k = static_cast<int>(std::min<int64_t>(kBuffer, n - done));
+      for (int i = 0; i < k; ++i) xb[i] = x[(done + i) * sx];
+      run(st, xb, yb, lane, k);
+      for (int i = 0; i < k; ++i) y[(done + i) * sy] = yb[i];
+      lane = static_cast<int>((lane + k) % kLanes);
+      done += k;
+    }
+  }
+
+  // Chunk partials: exact stats, and the compensated sums as arrays padded
+  // for reduce_chunk_sums. Inline storage covers tensors of up to 16 chunks
+  // without touching the heap.
+  struct Partials {
+    c10::SmallVector<ChunkStats<From>, 16> exact;  // sums unused
+    std::array<c10::SmallVector<float, 16>, cpu::kNumSumArrays> sums;
+
+    explicit Partials(int64_t n) : exact(static_cast<size_t>(n)) {
+      for (auto& a : sums) a.resize(static_cast<size_t>((n + 15) / 16 * 16));
+    }
+    void set(int64_t c, const State& st) {
+      exact[static_cast<size_t>(c)] = st.exact();
+      const ErrorSums e = cpu::finish_lanes(st.sums);
+      const float v[cpu::kNumSumArrays] = {e.abs_s, e.abs_c, e.sq_err_s, e.sq_err_c, e.sq_s, e.sq_c};
+      for (int p = 0; p < cpu::kNumSumArrays; ++p) sums[p][static_cast<size_t>(c)] = v[p];
+    }
+    at::Tensor stats(const at::Tensor& x, int64_t numel) const {
+      ChunkStats<From> total;
+      for (const auto& e : exact) total.merge(e);  // counts and maxima are exact in any order
+      const float* const arrays[cpu::kNumSumArrays] = {sums[0].data(), sums[1].data(), sums[2].data(),
+                                                       sums[3].data(), sums[4].data(), sums[5].data()};
+      total.sums = cpu::reduce_chunk_sums(arrays, static_cast<int64_t>(exact.size()));
+      auto out = at::empty({kNumStats}, x.options().dtype(at::kDouble));
+      total.write(out.data_ptr<double>(), numel);
+      return out;
+    }
+  };
+
+  // Runs body(state, chunk) over all chunks, in parallel, each chunk from a
+  // reset state, and collects the partials.
+  template <typename Body>
+  static Partials over_chunks(int64_t numel, const Body& body) {
+    const int64_t nchunks = (numel + kChunk - 1) / kChunk;
+    Partials partials(nchunks);
+    const auto task = [&](int64_t first, int64_t last) {
+      State st;
+      for (int64_t c = first; c < last; ++c) {
+        st.reset();
+        body(&st, c);
+        partials.set(c, st);
+      }
+    };
+    if (nchunks == 1) {
+      task(0, 1);  // no thread pool round trip for small tensors
+    } else {
+      at::parallel_for(0, nchunks, 1, task);
+    }
+    return partials;
+  }
+
+  static at::Tensor cast(const at::Tensor& x, at::Tensor& y) {
+    const int64_t numel = x.numel();
+    // Dense tensors laid out alike: TensorIterator's order is memory order.
+    if (x.is_non_overlapping_and_dense() && y.is_non_overlapping_and_dense() &&
+        x.strides() == y.strides()) {
+      at::assert_no_internal_overlap(y);
+      at::assert_no_partial_overlap(y, x);
+      const From* xp = x.const_data_ptr<From>();
+      Storage* yp = reinterpret_cast<Storage*>(y.data_ptr());
+      return over_chunks(numel, [&](State* st, int64_t c) {
+                   const int64_t begin = c * kChunk;
+                   run(st, xp + begin, yp + begin, 0, std::min(numel - begin, kChunk));
+                 })
+          .stats(x, numel);
+    }
+    auto iter = at::TensorIteratorConfig()
+                    .add_output(y)
+                    .add_const_input(x)
+                    .check_all_same_dtype(false)
+                    .resize_outputs(false)
+                    .build();
+    return over_chunks(numel, [&](State* st, int64_t c) {
+             int64_t pos = 0;  // position inside the chunk: decides the lane
+             auto loop = [&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
+               const int64_t sy = strides[0] / static_cast<int64_t>(sizeof(Storage));
+               const int64_t sx = strides[1] / static_cast<int64_t>(sizeof(From));
+               for (int64_t r = 0; r < size1; ++r) {
+                 auto* yp = reinterpret_cast<Storage*>(data[0] + r * strides[2]);
+                 auto* xp = reinterpret_cast<const From*>(data[1] + r * strides[3]);
+                 const int lane = static_cast<int>(pos % kLanes);
+                 if (sx == 1 && sy == 1) {
+                   run(st, xp, yp, lane, size0);
+                 } else {
+                   run_strided(st, xp, sx, yp, sy, lane, size0);
+                 }
+                 pos += size0;
+               }
+             };
+             iter.serial_for_each(loop, {c * kChunk, std::min(numel, (c + 1) * kChunk)});
+           })
+        .stats(x, numel);
+  }
+};
 
 template <typename Target>
 at::Tensor narrowing_from(const at::Tensor& x, at::Tensor& y) {
-  if (x.scalar_type() == at::kDouble) return narrowing_cast_cpu<double, Target>(x, y);
-  return narrowing_cast_cpu<float, Target>(x, y);
+  if (x.scalar_type() == at::kDouble) return CastCpu<double, Target>::cast(x, y);
+  return CastCpu<float, Target>::cast(x, y);
 }
 
 at::Tensor cast_into_cpu(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y) {

@@ -1,0 +1,499 @@
+// The AVX-512 loop of the CPU cast_with_stats kernel. It updates the same
+// LaneState as the portable loop in cast.cpp and must agree with it (and so
+// with ElementMeasure, numerics.h) bit for bit; only the instructions differ:
+//  - float32 -> float16 is vcvtps2ph, which rounds to nearest even like
+//    half_bits_from_float; NaNs are then rewritten to sign | 0x7e00 as there.
+//    vcvtph2ps widens exactly, like float_from_half_bits.
+//  - Round to odd (float_round_to_odd) converts with rounding toward zero and
+//    sets the last bit where that conversion is inexact, which is the value
+//    float_round_to_odd derives from the round-to-nearest result.
+//  - The relative error divides by |x| and the maximum skips NaN quotients:
+//    wherever the element is measured and x != 0 that is ElementMeasure's
+//    quotient, and elsewhere the absolute error is 0, so ElementMeasure's
+//    quotient is 0 and this one is 0 or NaN (0/0, 0/NaN), neither of which
+//    can raise a maximum that starts at 0.
+//  - The hot loop only adds terms >= +0 (never NaN) to sums that started at
+//    +0, so neumaier_add's choice by |sum| >= |term| is max/min.
+//  - Counts come from the float32 view of the result: NaN x <=> NaN y,
+//    inexact = #(y != x) - #NaN, overflow = #(y != x and y = +-inf),
+//    underflow = #(y != x and y = 0).
+//  - Only elements that are NaN, infinite, overflow, underflow or have a
+//    subnormal result need the NaN rewrite, the masking of unmeasured error
+//    terms and the rare counts; a vector with none of them (the common case)
+//    skips that work.
+// float32 sources go 16 elements per register; float64 sources 8 (one
+// register of float64 next to a half-width one of float32). A block keeps one
+// vector of lanes of the sums in registers across up to kRowBlock rows.
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TORCHCAST_HAVE_AVX512 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "lanes.h"
+
+// gcc's own intrinsics headers trip -W(maybe-)uninitialized (their
+// _mm512_undefined_* placeholders) once inlined here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#define TC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,popcnt")))
+#define TC_AVX512_INLINE TC_AVX512 inline __attribute__((always_inline))
+
+namespace torchcast {
+namespace cpu {
+namespace avx512 {
+
+// Rows of the chunk that a block keeps a vector of sums in registers for. A
+// block reads x and writes y in kRowBlock streams a row apart, which the
+// hardware prefetchers follow poorly, so each step prefetches its lanes of
+// the next block.
+constexpr int kRowBlock = 4;
+
+// fpclass categories.
+constexpr int kClassNaN = 0x01 | 0x80;
+constexpr int kClassZero = 0x02 | 0x04;
+constexpr int kClassInf = 0x08 | 0x10;
+constexpr int kClassDenormal = 0x20;
+
+// Prefetches p + ahead elements (which may lie past the end of the array:
+// prefetches do not fault, and the address is formed as an integer).
+template <typename T>
+TC_AVX512_INLINE void prefetch(const T* p, int write, int64_t ahead) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(ahead) * sizeof(T);
+  if (write) {
+    __builtin_prefetch(reinterpret_cast<const void*>(at), 1, 3);
+  } else {
+    __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+  }
+}
+
+TC_AVX512_INLINE uint64_t count(uint32_t mask) {
+  return static_cast<uint64_t>(__builtin_popcount(mask));
+}
+
+// float32 vectors of 16 lanes (float32 sources) and 8 lanes (float64 sources).
+struct F32x16 {
+  using V = __m512;
+  using I = __m512i;
+  using H = __m256i;  // 16-bit lanes
+  using Mask = __mmask16;
+  static constexpr int kWidth = 16;
+
+  TC_AVX512_INLINE static V load(const float* p) { return _mm512_load_ps(p); }
+  TC_AVX512_INLINE static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  TC_AVX512_INLINE static void store(float* p, V v) { _mm512_store_ps(p, v); }
+  TC_AVX512_INLINE static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
+  TC_AVX512_INLINE static V zero() { return _mm512_setzero_ps(); }
+  TC_AVX512_INLINE static V set1(float v) { return _mm512_set1_ps(v); }
+  TC_AVX512_INLINE static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  TC_AVX512_INLINE static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  TC_AVX512_INLINE static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  TC_AVX512_INLINE static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  TC_AVX512_INLINE static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  TC_AVX512_INLINE static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  TC_AVX512_INLINE static V abs(V a) { return _mm512_abs_ps(a); }
+  TC_AVX512_INLINE static V mask_mov(V src, Mask k, V a) { return _mm512_mask_mov_ps(src, k, a); }
+  TC_AVX512_INLINE static V maskz_mov(Mask k, V a) { return _mm512_maskz_mov_ps(k, a); }
+  template <int kPred>
+  TC_AVX512_INLINE static Mask cmp(V a, V b) { return _mm512_cmp_ps_mask(a, b, kPred); }
+  template <int kClass>
+  TC_AVX512_INLINE static Mask fpclass(V a) { return _mm512_fpclass_ps_mask(a, kClass); }
+
+  TC_AVX512_INLINE static I bits(V v) { return _mm512_castps_si512(v); }
+  TC_AVX512_INLINE static V from_bits(I i) { return _mm512_castsi512_ps(i); }
+  TC_AVX512_INLINE static I set1i(int v) { return _mm512_set1_epi32(v); }
+  TC_AVX512_INLINE static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  TC_AVX512_INLINE static I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) { return _mm512_mask_or_epi32(src, k, a, b); }
+  template <int kShift>
+  TC_AVX512_INLINE static I srli(I a) { return _mm512_srli_epi32(a, kShift); }
+  template <int kShift>
+  TC_AVX512_INLINE static I slli(I a) { return _mm512_slli_epi32(a, kShift); }
+  TC_AVX512_INLINE static H narrow16(I a) { return _mm512_cvtepi32_epi16(a); }
+
+  TC_AVX512_INLINE static H to_half(V v) {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  TC_AVX512_INLINE static V from_half(H h) { return _mm512_cvtph_ps(h); }
+  TC_AVX512_INLINE static H quiet_half_nans(H h, Mask nan) {
+    const H quiet =  // (h & 0x8000) | 0x7e00
+        _mm256_ternarylogic_epi32(h, _mm256_set1_epi16(-0x8000), _mm256_set1_epi16(0x7e00), 0xea);
+    return _mm256_mask_mov_epi16(h, nan, quiet);
+  }
+  TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+};
+
+struct F32x8 {
+  using V = __m256;
+  using I = __m256i;
+  using H = __m128i;
+  using Mask = __mmask8;
+  static constexpr int kWidth = 8;
+
+  TC_AVX512_INLINE static V load(const float* p) { return _mm256_load_ps(p); }
+  TC_AVX512_INLINE static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  TC_AVX512_INLINE static void store(float* p, V v) { _mm256_store_ps(p, v); }
+  TC_AVX512_INLINE static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
+  TC_AVX512_INLINE static V zero() { return _mm256_setzero_ps(); }
+  TC_AVX512_INLINE static V set1(float v) { return _mm256_set1_ps(v); }
+  TC_AVX512_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  TC_AVX512_INLINE static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  TC_AVX512_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  TC_AVX512_INLINE static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  TC_AVX512_INLINE static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  TC_AVX512_INLINE static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  TC_AVX512_INLINE static V abs(V a) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff)));
+  }
+  TC_AVX512_INLINE static V mask_mov(V src, Mask k, V a) { return _mm256_mask_mov_ps(src, k, a); }
+  TC_AVX512_INLINE static V maskz_mov(Mask k, V a) { return _mm256_maskz_mov_ps(k, a); }
+  template <int kPred>
+  TC_AVX512_INLINE static Mask cmp(V a, V b) { return _mm256_cmp_ps_mask(a, b, kPred); }
+  template <int kClass>
+  TC_AVX512_INLINE static Mask fpclass(V a) { return _mm256_fpclass_ps_mask(a, kClass); }
+
+  TC_AVX512_INLINE static I bits(V v) { return _mm256_castps_si256(v); }
+  TC_AVX512_INLINE static V from_bits(I i) { return _mm256_castsi256_ps(i); }
+  TC_AVX512_INLINE static I set1i(int v) { return _mm256_set1_epi32(v); }
+  TC_AVX512_INLINE static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  TC_AVX512_INLINE static I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) { return _mm256_mask_or_epi32(src, k, a, b); }
+  template <int kShift>
+  TC_AVX512_INLINE static I srli(I a) { return _mm256_srli_epi32(a, kShift); }
+  template <int kShift>
+  TC_AVX512_INLINE static I slli(I a) { return _mm256_slli_epi32(a, kShift); }
+  TC_AVX512_INLINE static H narrow16(I a) { return _mm256_cvtepi32_epi16(a); }
+
+  TC_AVX512_INLINE static H to_half(V v) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  TC_AVX512_INLINE static V from_half(H h) { return _mm256_cvtph_ps(h); }
+  TC_AVX512_INLINE static H quiet_half_nans(H h, Mask nan) {
+    const H quiet =  // (h & 0x8000) | 0x7e00
+        _mm_ternarylogic_epi32(h, _mm_set1_epi16(-0x8000), _mm_set1_epi16(0x7e00), 0xea);
+    return _mm_mask_mov_epi16(h, nan, quiet);
+  }
+  TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+};
+
+// neumaier_add where the sum and the term are >= +0 and not NaN.
+template <typename W>
+TC_AVX512_INLINE void add_nonneg(typename W::V& s, typename W::V& c, typename W::V v) {
+  const typename W::V t = W::add(s, v);
+  const typename W::V big = W::max(v, s);    // v > s ? v : s
+  const typename W::V small = W::min(s, v);  // s < v ? s : v
+  c = W::add(c, W::add(W::sub(big, t), small));
+  s = t;
+}
+
+// The target's storage bits and their exact float32 value `back`, from the
+// float32 f that Target::round(float) takes. NaNs are left as the rounding
+// instruction makes them (still NaN for float16, possibly not for bfloat16)
+// until fix_nans().
+template <typename Target, typename W>
+struct Narrowed;
+
+template <typename W>
+struct Narrowed<Float16Target, W> {
+  typename W::H bits;
+  typename W::V back;
+
+  TC_AVX512_INLINE explicit Narrowed(typename W::V f) : bits(W::to_half(f)), back(W::from_half(bits)) {}
+  TC_AVX512_INLINE void fix_nans(typename W::Mask nan) {
+    bits = W::quiet_half_nans(bits, nan);
+    back = W::from_half(bits);
+  }
+  TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, bits); }
+  // Elements that may need the rare work: NaN, infinite, or a result below
+  // the smallest normal float16 that is not an exact zero.
+  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
+    const typename W::Mask small =
+        W::template cmp<_CMP_LT_OQ>(W::abs(back), W::set1(Float16Target::min_normal));
+    const typename W::Mask zero = W::template fpclass<kClassZero>(back);
+    return W::template fpclass<kClassNaN | kClassInf>(back) | (small & (ne | ~zero));
+  }
+  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask zero) const {
+    const typename W::Mask small =
+        W::template cmp<_CMP_LT_OQ>(W::abs(back), W::set1(Float16Target::min_normal));
+    return small & ~zero;
+  }
+};
+
+template <typename W>
+struct Narrowed<BFloat16Target, W> {
+  typename W::I bits;  // in 32-bit lanes
+  typename W::V back;
+  typename W::I hi;
+
+  TC_AVX512_INLINE explicit Narrowed(typename W::V f) {
+    const typename W::I u = W::bits(f);
+    hi = W::template srli<16>(u);
+    const typename W::I odd = W::andi(hi, W::set1i(1));
+    bits = W::template srli<16>(W::addi(W::addi(u, W::set1i(0x7fff)), odd));
+    back = W::from_bits(W::template slli<16>(bits));
+  }
+  TC_AVX512_INLINE void fix_nans(typename W::Mask nan) {
+    bits = W::mask_ori(bits, nan, hi, W::set1i(0x40));
+    back = W::from_bits(W::template slli<16>(bits));
+  }
+  TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, W::narrow16(bits)); }
+  // Before fix_nans a NaN f rounds to +-0, +-inf or NaN, with y != x.
+  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
+    return W::template fpclass<kClassNaN | kClassInf | kClassDenormal>(back) |
+           (ne & W::template fpclass<kClassZero>(back));
+  }
+  // bfloat16 and float32 share the exponent range.
+  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask) const {
+    return W::template fpclass<kClassDenormal>(back);
+  }
+};
+
+template <typename W>
+struct Narrowed<Float32Target, W> {
+  typename W::V back;
+
+  TC_AVX512_INLINE explicit Narrowed(typename W::V f) : back(f) {}
+  TC_AVX512_INLINE void fix_nans(typename W::Mask) {}
+  TC_AVX512_INLINE void store(float* p) const { W::storeu(p, back); }
+  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
+    return W::template fpclass<kClassNaN | kClassInf | kClassDenormal>(back) |
+           (ne & W::template fpclass<kClassZero>(back));
+  }
+  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask) const {
+    return W::template fpclass<kClassDenormal>(back);
+  }
+};
+
+// One vector of source elements: x, the float32 f that the target rounds,
+// and ElementMeasure's error terms once the result is known.
+template <typename From, typename Target>
+struct Source;
+
+template <typename Target>
+struct Source<float, Target> {
+  using W = F32x16;
+  using V = W::V;
+  V x;
+  V t, xx;  // |x - y| and x * x, before masking
+
+  TC_AVX512_INLINE explicit Source(const float* p) : x(W::loadu(p)) {}
+  TC_AVX512_INLINE V f() const { return x; }
+  TC_AVX512_INLINE W::Mask measure(V back) {
+    t = W::abs(W::sub(x, back));
+    xx = W::mul(x, x);
+    return W::cmp<_CMP_NEQ_UQ>(back, x);
+  }
+  // Zeroes the error terms where x or y is not finite.
+  TC_AVX512_INLINE void mask_unmeasured() {
+    const W::Mask measured = W::cmp<_CMP_LT_OQ>(t, W::set1(std::numeric_limits<float>::infinity()));
+    t = W::maskz_mov(measured, t);
+    xx = W::maskz_mov(measured, xx);
+  }
+  struct Maxima {
+    V abs, rel;
+    TC_AVX512_INLINE Maxima() : abs(W::zero()), rel(W::zero()) {}
+    TC_AVX512_INLINE void fold_into(float* max_abs, float* max_rel) const {
+      W::store(max_abs, W::max(abs, W::load(max_abs)));
+      W::store(max_rel, W::max(rel, W::load(max_rel)));
+    }
+  };
+  // The float32 terms of the three sums; updates the maxima.
+  TC_AVX512_INLINE void terms(Maxima& m, V& abs_err, V& sq_err, V& sq) const {
+    m.abs = W::max(t, m.abs);
+    m.rel = W::max(W::div(t, W::abs(x)), m.rel);
+    abs_err = t;
+    sq_err = W::mul(t, t);
+    sq = xx;
+  }
+};
+
+template <typename Target>
+struct Source<double, Target> {
+  using W = F32x8;
+  using V = W::V;
+  static constexpr bool kRoundToOdd = !std::is_same<Target, Float32Target>::value;
+  __m512d x;
+  V fv;
+  __mmask8 odd_inexact = 0;  // round to odd: f != x
+  __m512d t, xx;
+
+  TC_AVX512_INLINE explicit Source(const double* p) : x(_mm512_loadu_pd(p)) {
+    if constexpr (kRoundToOdd) {
+      const __m256 z = _mm512_cvt_roundpd_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      odd_inexact = _mm512_cmp_pd_mask(_mm512_cvtps_pd(z), x, _CMP_NEQ_OQ);  // false for NaN
+      fv = W::from_bits(W::mask_ori(W::bits(z), odd_inexact, W::bits(z), W::set1i(1)));
+    } else {
+      fv = _mm512_cvtpd_ps(x);
+    }
+  }
+  TC_AVX512_INLINE V f() const { return fv; }
+  TC_AVX512_INLINE W::Mask measure(V back) {
+    const __m512d b = _mm512_cvtps_pd(back);
+    t = _mm512_abs_pd(_mm512_sub_pd(x, b));
+    xx = _mm512_mul_pd(x, x);
+    if constexpr (kRoundToOdd) {
+      // y == x needs f == x (y is a float32) and y == f.
+      return odd_inexact | W::cmp<_CMP_NEQ_UQ>(back, fv);
+    } else {
+      return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
+    }
+  }
+  TC_AVX512_INLINE void mask_unmeasured() {
+    const __mmask8 measured =
+        _mm512_cmp_pd_mask(t, _mm512_set1_pd(std::numeric_limits<double>::infinity()), _CMP_LT_OQ);
+    t = _mm512_maskz_mov_pd(measured, t);
+    xx = _mm512_maskz_mov_pd(measured, xx);
+  }
+  struct Maxima {
+    __m512d abs, rel;
+    TC_AVX512_INLINE Maxima() : abs(_mm512_setzero_pd()), rel(_mm512_setzero_pd()) {}
+    TC_AVX512_INLINE void fold_into(double* max_abs, double* max_rel) const {
+      _mm512_store_pd(max_abs, _mm512_max_pd(abs, _mm512_load_pd(max_abs)));
+      _mm512_store_pd(max_rel, _mm512_max_pd(rel, _mm512_load_pd(max_rel)));
+    }
+  };
+  TC_AVX512_INLINE void terms(Maxima& m, V& abs_err, V& sq_err, V& sq) const {
+    m.abs = _mm512_max_pd(t, m.abs);
+    m.rel = _mm512_max_pd(_mm512_div_pd(t, _mm512_abs_pd(x)), m.rel);
+    abs_err = _mm512_cvtpd_ps(t);
+    sq_err = _mm512_cvtpd_ps(_mm512_mul_pd(t, t));
+    sq = _mm512_cvtpd_ps(xx);
+  }
+};
+
+template <typename From, typename Target>
+struct Kernel {
+  using Storage = typename Target::storage;
+  using State = LaneState<From>;
+  using Src = Source<From, Target>;
+  using W = typename Src::W;
+  using V = typename W::V;
+  using Mask = typename W::Mask;
+  static constexpr int kWidth = W::kWidth;
+  static constexpr int kLanes = State::kLanes;
+  static_assert(kLanes % kWidth == 0, "lanes come in whole vectors");
+
+  struct Acc {
+    uint64_t nan, ne, overflow, underflow, subnormal;
+    typename Src::Maxima max;
+
+    TC_AVX512_INLINE Acc() : nan(0), ne(0), overflow(0), underflow(0), subnormal(0) {}
+  };
+
+  // One vector of elements into the sums s. With kMasked only the lanes in
+  // `lanes` take the step; the others must hold x = 0, which counts nothing
+  // and leaves the maxima alone.
+  template <bool kMasked>
+  static TC_AVX512_INLINE void step(const From* xp, Storage* yp, Mask lanes, V (&s)[6], Acc& acc) {
+    Src src(xp);
+    Narrowed<Target, W> y(src.f());
+    const Mask ne = src.measure(y.back);
+    const Mask rare = y.rare(ne);
+    if (__builtin_expect(rare != 0, 0)) {
+      const Mask nan = W::template cmp<_CMP_UNORD_Q>(src.f(), src.f());
+      y.fix_nans(nan);
+      src.mask_unmeasured();
+      const Mask zero = W::template fpclass<kClassZero>(y.back);
+      acc.nan += count(nan);
+      acc.overflow += count(ne & W::template fpclass<kClassInf>(y.back));
+      acc.underflow += count(ne & zero);
+      acc.subnormal += count(y.subnormal(zero));
+    }
+    y.store(yp);
+    acc.ne += count(ne);
+    V abs_err, sq_err, sq;
+    src.terms(acc.max, abs_err, sq_err, sq);
+    if constexpr (kMasked) {
+      V n[6] = {s[0], s[1], s[2], s[3], s[4], s[5]};
+      add_nonneg<W>(n[kAbsS], n[kAbsC], abs_err);
+      add_nonneg<W>(n[kSqErrS], n[kSqErrC], sq_err);
+      add_nonneg<W>(n[kSqS], n[kSqC], sq);
+      for (int p = 0; p < 6; ++p) s[p] = W::mask_mov(s[p], lanes, n[p]);
+    } else {
+      add_nonneg<W>(s[kAbsS], s[kAbsC], abs_err);
+      add_nonneg<W>(s[kSqErrS], s[kSqErrC], sq_err);
+      add_nonneg<W>(s[kSqS], s[kSqC], sq);
+    }
+  }
+
+  // Rows [0, rows) of lanes [l0, l1) (whole vectors): x and y point at lane
+  // l0 of the first row.
+  static TC_AVX512_INLINE void block(State* st, const From* x, Storage* y, int l0, int l1, int rows,
+                                     Acc& acc_io) {
+    Acc acc = acc_io;
+    for (int l = l0; l < l1; l += kWidth) {
+      V s[6];
+      for (int p = 0; p < 6; ++p) s[p] = W::load(st->sums[p] + l);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t at = static_cast<int64_t>(r) * kLanes + (l - l0);
+        prefetch(x + at, 0, kLanes * kRowBlock);
+        prefetch(y + at, 1, kLanes * kRowBlock);
+        step<false>(x + at, y + at, static_cast<Mask>(~0u), s, acc);
+      }
+      for (int p = 0; p < 6; ++p) W::store(st->sums[p] + l, s[p]);
+    }
+    acc_io = acc;
+  }
+
+  // Casts n contiguous elements, the first of which falls in lane `lane`.
+  static TC_AVX512 void run(State* st, const From* x, Storage* y, int lane, int64_t n) {
+    Acc acc;
+    while (n > 0) {
+      const int off = lane % kWidth;
+      int64_t done;
+      if (off != 0 || n < kWidth) {
+        // A partial vector, through zero-padded buffers.
+        const int k = static_cast<int>(std::min<int64_t>(kWidth - off, n));
+        alignas(64) From xb[kWidth] = {};
+        alignas(64) Storage yb[kWidth];
+        std::memcpy(xb + off, x, sizeof(From) * k);
+        V s[6];
+        for (int p = 0; p < 6; ++p) s[p] = W::load(st->sums[p] + lane - off);
+        step<true>(xb, yb, static_cast<Mask>(((1u << k) - 1u) << off), s, acc);
+        for (int p = 0; p < 6; ++p) W::store(st->sums[p] + lane - off, s[p]);
+        std::memcpy(y, yb + off, sizeof(Storage) * k);
+        done = k;
+      } else if (lane == 0 && n >= kLanes) {
+        const int rows = static_cast<int>(std::min<int64_t>(n / kLanes, kRowBlock));
+        block(st, x, y, 0, kLanes, rows, acc);
+        done = static_cast<int64_t>(rows) * kLanes;
+      } else {
+        const int64_t whole = n - n % kWidth;
+        const int end = static_cast<int>(std::min<int64_t>(kLanes, lane + whole));
+        block(st, x, y, lane, end, 1, acc);
+        done = end - lane;
+      }
+      x += done;
+      y += done;
+      n -= done;
+      lane = static_cast<int>((lane + done) % kLanes);
+    }
+    st->nan += static_cast<int64_t>(acc.nan);
+    st->inexact += static_cast<int64_t>(acc.ne - acc.nan);
+    st->overflow += static_cast<int64_t>(acc.overflow);
+    st->underflow += static_cast<int64_t>(acc.underflow);
+    st->subnormal += static_cast<int64_t>(acc.subnormal);
+    acc.max.fold_into(st->max_abs, st->max_rel);
+  }
+};
+
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace torchcast
+
+#pragma GCC diagnostic pop
+
+#endif
