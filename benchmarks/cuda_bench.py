@@ -10,6 +10,9 @@ preallocated ones (ours ``out=`` vs ``out.copy_(x)``), plus the scalar paths
 
     python benchmarks/cuda_bench.py [--log2-size 28] [--rounds 15]
 
+Also one torchcast.optim.Adam step on 50M parameters against
+torch.optim.Adam(fused=True).
+
 Targets (issue 3): at least 85% of the copy bandwidth and at most 1.1x the
 time of torch's own cast, for every pair. Reported, never asserted.
 """
@@ -21,7 +24,8 @@ import sys
 
 import torch
 
-import torchcast  # noqa: F401  (loads the kernels)
+import torchcast
+import torchcast.optim
 from torchcast import _reference
 
 op = torch.ops.torchcast.cast_with_stats
@@ -110,6 +114,41 @@ def rows_for(args, copy_gbs):
     return rows
 
 
+def adam_rows(args, copy_gbs):
+    """One optimizer step over args.adam_params parameters (one tensor):
+    torchcast.optim.Adam against torch.optim.Adam(fused=True) on float32
+    params. GB/s counts every operand read and written once."""
+    n = args.adam_params
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def make(dtype, cls, **kw):
+        p = torch.nn.Parameter(torch.randn(n, generator=g, device="cuda").to(dtype))
+        p.grad = (torch.randn(n, generator=g, device="cuda") * 1e-3).to(dtype)
+        opt = cls([p], lr=1e-4, **kw)
+        opt.step()  # creates the state
+        return opt
+
+    base = make(torch.float32, torch.optim.Adam, fused=True)
+    # bfloat16 param, grad and compensation with float32 moments: read 2+2+2+4+4, write 2+2+4+4
+    bf16 = 26
+    # (params, states, compensation) bytes per element, read + written
+    for label, dtype, kw, nbytes in [
+            ("float32, none", torch.float32, dict(compensated=False), 4 * (4 + 3)),
+            ("float32, kahan", torch.float32, dict(compensated=True), 4 * (5 + 4)),
+            ("bfloat16 + float32 states, kahan", torch.bfloat16, {}, bf16),
+            ("bfloat16 + float32 states, remainder", torch.bfloat16,
+             dict(compensation="remainder"), bf16)]:
+        ours = make(dtype, torchcast.optim.Adam, **kw)
+        o, b, ratio = time_pair(ours.step, base.step, args.rounds, args.warmup, 1)
+        gbs = n * nbytes / o / 1e6
+        rows.append({"kind": "adam", "pair": label, "size": f"{n / 1e6:.0f}M", "layout": "one tensor",
+                     "ours_us": o * 1e3, "base_us": b * 1e3, "ratio": ratio, "gbs": gbs,
+                     "pct": 100 * gbs / copy_gbs})
+        del ours
+    return rows
+
+
 def markdown(rows, copy_gbs, command):
     props = torch.cuda.get_device_properties(0)
     lines = [
@@ -123,8 +162,11 @@ def markdown(rows, copy_gbs, command):
         "|---|---|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        base = "x.to(dtype)" if r["kind"] == "fresh" else "out.copy_(x)"
-        opname = "cast_with_stats" if r["kind"] == "fresh" else "cast_with_stats(out=)"
+        base, opname = {
+            "fresh": ("x.to(dtype)", "cast_with_stats"),
+            "out=": ("out.copy_(x)", "cast_with_stats(out=)"),
+            "adam": ("torch.optim.Adam(fused=True), float32", "torchcast.optim.Adam.step"),
+        }[r["kind"]]
         lines.append(
             f"| {opname} | {r['pair']} | {r['size']} | {r['layout']} | {r['ours_us']:.1f} | {base} | "
             f"{r['base_us']:.1f} | {r['ratio']:.2f} | {r['gbs']:.0f} | {r['pct']:.0f}% |")
@@ -137,6 +179,7 @@ def main(argv=None):
     p.add_argument("--log2-small", type=int, default=12)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--adam-params", type=int, default=50_000_000)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cuda.md"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -145,7 +188,7 @@ def main(argv=None):
     torch.set_num_threads(min(os.cpu_count() or 1, 16))
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:])
     copy_gbs = copy_bandwidth((1 << args.log2_size) * 4, args.rounds, args.warmup)
-    rows = rows_for(args, copy_gbs)
+    rows = rows_for(args, copy_gbs) + adam_rows(args, copy_gbs)
     table = markdown(rows, copy_gbs, command)
     print(table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -119,6 +119,34 @@ Compensation check_adam_args(at::TensorList params, at::TensorList grads,
   return mode;
 }
 
+TensorOperands::TensorOperands(const at::Tensor& param, const at::Tensor& grad,
+                               const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                               const at::Tensor* max_sq, const at::Tensor* comp,
+                               bool grad_mutated) {
+  p = param;
+  if (!param.is_non_overlapping_and_dense()) {
+    p = param.contiguous();
+    write_back.emplace_back(param, p);
+  }
+  g = stage(grad, grad_mutated);
+  m = stage(exp_avg, true);
+  v = stage(exp_avg_sq, true);
+  if (max_sq) vmax = stage(*max_sq, true);
+  if (comp) c = stage(*comp, true);
+}
+
+at::Tensor TensorOperands::stage(const at::Tensor& t, bool mutated) {
+  if (t.strides() == p.strides()) return t;
+  at::Tensor s = at::empty_like(p, t.options());
+  s.copy_(t);
+  if (mutated) write_back.emplace_back(t, s);
+  return s;
+}
+
+void TensorOperands::finish() {
+  for (auto& [orig, staged] : write_back) orig.copy_(staged);
+}
+
 double increment_step(const at::Tensor& step) {
   TORCH_CHECK(step.device().is_cpu(), "torchcast.adam_step_: state steps must be on the CPU, "
               "got one on ", step.device());

@@ -10,6 +10,8 @@
 #include <optional>
 #include <string_view>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "numerics.h"
 
@@ -86,6 +88,15 @@ struct AdamHyper {
   Compensation mode;
 };
 
+// The constants that depend on lr, on the host or (for a tensor lr that
+// lives on the GPU, read there without a host sync) on the device: the same
+// float64 expressions, so the same bits.
+template <typename T>
+TC_HD void set_lr_consts(AdamConsts<T>& k, double lr, double weight_decay, bool decoupled) {
+  k.decay = weight_decay != 0.0 && decoupled ? static_cast<T>(1.0 - lr * weight_decay) : T(1);
+  k.lr_wd = static_cast<T>(lr * weight_decay);
+}
+
 template <typename T>
 AdamConsts<T> adam_consts(const AdamHyper& h) {
   AdamConsts<T> k;
@@ -100,16 +111,25 @@ AdamConsts<T> adam_consts(const AdamHyper& h) {
   k.one_minus_beta2 = static_cast<T>(1.0 - h.beta2);
   k.eps = static_cast<T>(h.eps);
   k.use_decay = mask_of<T>(wd && h.decoupled);
-  k.decay = wd && h.decoupled ? static_cast<T>(1.0 - h.lr * h.weight_decay) : T(1);
-  k.lr_wd = static_cast<T>(h.lr * h.weight_decay);
+  set_lr_consts(k, h.lr, h.weight_decay, h.decoupled);
   return k;
 }
 
 template <typename T>
+TC_HD T neg_step_size_of(double lr, double bc1) {
+  return static_cast<T>(-(lr / bc1));
+}
+
+// 1 - beta1^step, the first-moment bias correction.
+inline double bias_correction1(const AdamHyper& h, double step) {
+  return 1.0 - std::pow(h.beta1, step);
+}
+
+template <typename T>
 AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step) {
-  const double bc1 = 1.0 - std::pow(h.beta1, step);
   const double bc2 = 1.0 - std::pow(h.beta2, step);
-  return {static_cast<T>(-(h.lr / bc1)), static_cast<T>(1.0 / std::sqrt(bc2))};
+  return {neg_step_size_of<T>(h.lr, bias_correction1(h, step)),
+          static_cast<T>(1.0 / std::sqrt(bc2))};
 }
 
 // torch.maximum: NaN in either operand gives NaN.
@@ -169,6 +189,73 @@ struct AdamElement {
     }
   }
 };
+
+// Calls f(PT{}, ST{}, mode, amsgrad) (mode and amsgrad as integral_constants)
+// with the storage formats and flags of one dtype group: the one list of
+// instantiations both backends compile. check_adam_args has rejected the
+// combinations not instantiated here.
+template <typename F>
+void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compensation mode,
+                   bool amsgrad, F&& f) {
+  const auto flags = [&](auto pt, auto st, auto m) {
+    if (amsgrad) {
+      f(pt, st, m, std::true_type{});
+    } else {
+      f(pt, st, m, std::false_type{});
+    }
+  };
+  using None = std::integral_constant<Compensation, Compensation::kNone>;
+  using Kahan = std::integral_constant<Compensation, Compensation::kKahan>;
+  using Remainder = std::integral_constant<Compensation, Compensation::kRemainder>;
+  const auto modes = [&](auto pt, auto st) {
+    using PT = decltype(pt);
+    if constexpr (std::is_same_v<PT, Float64Storage>) {
+      flags(pt, st, None{});
+    } else {
+      if (mode == Compensation::kNone) flags(pt, st, None{});
+      if (mode == Compensation::kKahan) flags(pt, st, Kahan{});
+      if constexpr (std::is_same_v<PT, BFloat16Target>) {
+        if (mode == Compensation::kRemainder) flags(pt, st, Remainder{});
+      }
+    }
+  };
+  const auto states = [&](auto pt) {
+    if (state_dtype == at::kBFloat16) {
+      modes(pt, BFloat16Target{});
+    } else {
+      modes(pt, Float32Target{});
+    }
+  };
+  switch (param_dtype) {
+    case at::kDouble: modes(Float64Storage{}, Float64Storage{}); break;
+    case at::kFloat: modes(Float32Target{}, Float32Target{}); break;
+    case at::kBFloat16: states(BFloat16Target{}); break;
+    default: states(Float16Target{}); break;
+  }
+}
+
+// The operands of one tensor as buffers in one common memory order (the
+// param's when it is dense). An operand in another order, or every operand of
+// a non-dense param, is staged through a copy that is written back after the
+// pass; the usual case (states created like the param) copies nothing. The
+// copies run on the tensors' device (on the current stream for CUDA).
+struct TensorOperands {
+  at::Tensor p, g, m, v, vmax, c;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (original, staged)
+
+  // grad_mutated: the pass writes the gradient too (the CUDA kernel unscales
+  // it in place).
+  TensorOperands(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                 const at::Tensor& exp_avg_sq, const at::Tensor* max_sq, const at::Tensor* comp,
+                 bool grad_mutated = false);
+  at::Tensor stage(const at::Tensor& t, bool mutated);
+  void finish();
+};
+
+template <typename T>
+T* operand_ptr(const at::Tensor& t) {
+  return t.defined() ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
+}
 
 // Host-side checks shared by the backends; everything is checked before
 // anything is written. Returns the parsed compensation mode.

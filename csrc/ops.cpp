@@ -47,6 +47,8 @@ TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
 TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
   m.impl("cast_with_stats", &torchcast::cast_with_stats_cuda);
   m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cuda);
+  m.impl("adam_step_", &torchcast::adam_step_cuda);
+  m.impl("adam_step_.tensor_lr", &torchcast::adam_step_tensor_lr_cuda);
 }
 #endif
 

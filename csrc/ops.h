@@ -36,5 +36,23 @@ void adam_step_tensor_lr_cpu(at::TensorList params, at::TensorList grads,
                              std::string_view compensation,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf);
+#ifdef TORCHCAST_WITH_CUDA
+void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    at::TensorList compensations, at::TensorList state_steps, double lr,
+                    double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                    bool maximize, bool decoupled_weight_decay, std::string_view compensation,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf);
+void adam_step_tensor_lr_cuda(at::TensorList params, at::TensorList grads,
+                              at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                              at::TensorList max_exp_avg_sqs, at::TensorList compensations,
+                              at::TensorList state_steps, const at::Tensor& lr, double beta1,
+                              double beta2, double weight_decay, double eps, bool amsgrad,
+                              bool maximize, bool decoupled_weight_decay,
+                              std::string_view compensation,
+                              const std::optional<at::Tensor>& grad_scale,
+                              const std::optional<at::Tensor>& found_inf);
+#endif
 
 }  // namespace torchcast

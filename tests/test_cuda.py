@@ -423,3 +423,205 @@ def test_errors_on_cuda():
         op.out(x, torch.float16, out=torch.empty(10, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="out has dtype torch.bfloat16"):
         op.out(x, torch.float16, out=torch.empty(10, dtype=torch.bfloat16, device="cuda"))
+
+
+# ---------------------------------------------------------------------------
+# adam_step_ on CUDA: every operand bit-identical to the CPU op after each
+# step (the CPU op is checked against the pure-PyTorch reference and
+# torch.optim.Adam in test_adam.py).
+
+from test_adam import COMBOS, COMBO_IDS, assert_same_bits, make_operands  # noqa: E402
+
+adam_op = torch.ops.torchcast.adam_step_
+ADAM_NAMES = ["param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation", "step"]
+
+
+def to_cuda(ops):
+    """The operands on the GPU; the step counts stay on the CPU, as
+    torchcast.optim keeps them."""
+    return [[x.clone() if i == 6 else x.cuda() for x in lst] for i, lst in enumerate(ops)]
+
+
+def adam_both(ops, steps=3, **kw):
+    """steps CPU and CUDA steps from the same operands, compared every step."""
+    cpu = [[x.clone() for x in lst] for lst in ops]
+    gpu = to_cuda(ops)
+    for s in range(steps):
+        gkw = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        op_ = adam_op.tensor_lr if isinstance(kw["lr"], torch.Tensor) else adam_op.default
+        op_(*cpu, **kw)
+        op_(*gpu, **gkw)
+        for name, la, lb in zip(ADAM_NAMES, cpu, gpu):
+            for x, y in zip(la, lb):
+                assert y.device.type == ("cpu" if name == "step" else "cuda"), name
+                assert y.stride() == x.stride(), name
+                assert_same_bits(x, y.cpu(), f"{name} after step {s + 1}")
+    return cpu, gpu
+
+
+def adam_kw(mode, amsgrad=False, maximize=False, decoupled=False, wd=0.0, lr=1e-3, beta1=0.9):
+    return dict(lr=lr, beta1=beta1, beta2=0.999, weight_decay=wd, eps=1e-8, amsgrad=amsgrad,
+                maximize=maximize, decoupled_weight_decay=decoupled, compensation=mode)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("wd,decoupled", [(0.0, False), (0.1, False), (0.1, True)])
+def test_adam_matches_cpu(combo, amsgrad, maximize, wd, decoupled):
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(7)
+    # Edge values (+-0, +-inf, NaN, subnormals) and a tensor over several
+    # chunks, an empty one and a 0-d one, in one launch.
+    parts = [make_operands(pdtype, sdtype, mode, amsgrad, s, gen, edge=True)
+             for s in [(40_000,), (0,), (), (3, 5)]]
+    ops = [sum((p[i] for p in parts), []) for i in range(7)]
+    adam_both(ops, **adam_kw(mode, amsgrad, maximize, decoupled, wd))
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("layout", ["strided", "transposed"])
+def test_adam_layouts_match_cpu(combo, layout):
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(11)
+    ops = make_operands(pdtype, sdtype, mode, True, (33, 17), gen, layout)
+    adam_both(ops, **adam_kw(mode, True, wd=0.01, decoupled=True))
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
+def test_adam_tensor_lr_and_grad_scale_match_cpu(combo, lr_dtype):
+    """lr and grad_scale as device tensors: read on the GPU, constants
+    computed there with the host's float64 expressions."""
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(13)
+    ops = make_operands(pdtype, sdtype, mode, False, (5000,), gen, edge=True)
+    kw = adam_kw(mode, wd=0.05, decoupled=True, lr=torch.tensor(3e-3, dtype=lr_dtype))
+    kw.update(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
+    adam_both(ops, **kw)
+
+
+@settings(max_examples=30, deadline=None)
+@given(combo=st.sampled_from(COMBOS), amsgrad=st.booleans(), maximize=st.booleans(),
+       decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.01, 0.5]),
+       beta1=st.sampled_from([0.0, 0.5, 0.9]), lr=st.sampled_from([1e-3, 0.1, 1e-7]),
+       shapes=st.lists(st.lists(st.integers(0, 70), min_size=0, max_size=3), min_size=1,
+                       max_size=4),
+       layout=st.sampled_from(["contiguous", "strided", "transposed"]),
+       edge=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_adam_random_matches_cpu(combo, amsgrad, maximize, decoupled, wd, beta1, lr, shapes,
+                                 layout, edge, seed):
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(seed)
+    parts = [make_operands(pdtype, sdtype, mode, amsgrad, tuple(s) or (), gen,
+                           layout if s else "contiguous", edge) for s in shapes]
+    ops = [sum((p[i] for p in parts), []) for i in range(7)]
+    adam_both(ops, steps=2, **adam_kw(mode, amsgrad, maximize, decoupled, wd, lr, beta1))
+
+
+def test_adam_found_inf_skips_on_cuda():
+    gen = torch.Generator().manual_seed(17)
+    ops = to_cuda(make_operands(torch.bfloat16, torch.float32, "kahan", True, (70_000,), gen))
+    before = [[x.clone() for x in lst] for lst in ops]
+    kw = adam_kw("kahan", True)
+    adam_op(*ops, **kw, grad_scale=torch.tensor(8.0, device="cuda"),
+            found_inf=torch.tensor(1.0, device="cuda"))
+    for name, la, lb in zip(ADAM_NAMES, ops, before):
+        for x, y in zip(la, lb):
+            assert_same_bits(x.cpu(), y.cpu(), name)
+
+
+def test_adam_grad_scaler_matches_cpu():
+    """torch.amp.GradScaler drives torchcast.optim.AdamW on the GPU as on the
+    CPU: same params and compensation after scaled steps, a step with an inf
+    gradient skipped (step count unchanged). The loss is linear in the params
+    so that the scaled gradients are the same bits on both devices."""
+    def run(device):
+        g = torch.Generator().manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(5000, generator=g).to(device, torch.bfloat16))
+        opt = torchcast.optim.AdamW([p], lr=1e-2)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10)
+        for i in range(4):
+            w = torch.randn(5000, generator=g).to(device, torch.bfloat16)
+            loss = (p.float() * w.float()).sum()
+            if i == 2:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return p, opt
+
+    p_cpu, o_cpu = run("cpu")
+    p_gpu, o_gpu = run("cuda")
+    assert_same_bits(p_cpu.detach(), p_gpu.detach().cpu())
+    assert float(o_gpu.state[p_gpu]["step"]) == float(o_cpu.state[p_cpu]["step"]) == 3.0
+    for key in ("exp_avg", "exp_avg_sq", "compensation"):
+        assert_same_bits(o_cpu.state[p_cpu][key], o_gpu.state[p_gpu][key].cpu(), key)
+
+
+def test_adam_optimizer_uses_cuda_kernel():
+    assert _ops.has_adam_kernel(torch.device("cuda"))
+    p = torch.nn.Parameter(torch.randn(100, device="cuda"))
+    p.grad = torch.randn(100, device="cuda")
+    opt = torchcast.optim.Adam([p], fused=True)  # raises where no kernel exists
+    opt.step()
+    assert p.is_cuda and opt.state[p]["exp_avg"].is_cuda
+
+
+def test_adam_no_sync():
+    gen = torch.Generator().manual_seed(19)
+    ops = to_cuda(make_operands(torch.bfloat16, torch.float32, "remainder", True, (70_000,), gen))
+    strided = to_cuda(make_operands(torch.float32, torch.float32, "kahan", False, (40, 30), gen,
+                                    "strided"))
+    scale = torch.tensor(256.0, device="cuda")
+    lr = torch.tensor(1e-3, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adam_op(*ops, **adam_kw("remainder", True), grad_scale=scale)
+        adam_op.tensor_lr(*ops, **dict(adam_kw("remainder", True), lr=lr), grad_scale=scale)
+        adam_op(*strided, **adam_kw("kahan", wd=0.1, decoupled=True))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_adam_runs_on_current_stream():
+    gen = torch.Generator().manual_seed(23)
+    ops = make_operands(torch.float32, torch.float32, "kahan", False, (300_000,), gen)
+    ref = [[x.clone() for x in lst] for lst in ops]
+    adam_op(*ref, **adam_kw("kahan"))
+    gpu = to_cuda(ops)
+    grad = gpu[1][0]
+    host = grad.cpu().pin_memory()
+    grad.zero_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        grad.copy_(host, non_blocking=True)
+        adam_op(*gpu, **adam_kw("kahan"))
+    side.synchronize()
+    assert_same_bits(ref[0][0], gpu[0][0].cpu())
+
+
+def test_adam_opcheck_on_cuda():
+    gen = torch.Generator().manual_seed(29)
+    for pdtype, sdtype, mode in [(torch.float32, torch.float32, "none"),
+                                 (torch.bfloat16, torch.float32, "kahan"),
+                                 (torch.bfloat16, torch.bfloat16, "remainder")]:
+        ops = to_cuda([lst * 2 for lst in make_operands(pdtype, sdtype, mode, True, (4, 5), gen)])
+        kw = dict(adam_kw(mode, True, wd=0.01, decoupled=True),
+                  grad_scale=torch.tensor(2.0, device="cuda"),
+                  found_inf=torch.tensor(0.0, device="cuda"))
+        torch.library.opcheck(adam_op.default, ops, kw)
+        torch.library.opcheck(adam_op.tensor_lr, ops,
+                              dict(kw, lr=torch.tensor(1e-3, device="cuda")))
+
+
+def test_adam_errors_on_cuda():
+    gen = torch.Generator().manual_seed(31)
+    ops = to_cuda(make_operands(torch.float32, torch.float32, "none", False, (3, 2), gen))
+    ops[2] = [ops[2][0].cpu()]
+    with pytest.raises(RuntimeError, match="exp_avg 0 is on cpu but its param is on cuda"):
+        adam_op(*ops, **adam_kw("none"))

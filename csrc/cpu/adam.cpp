@@ -47,47 +47,6 @@ TC_CPU_CLONES void adam_run(const AdamConsts<typename Elem<PT, ST, M, kAmsgrad>:
   }
 }
 
-// The operands of one tensor as buffers in one common memory order (the
-// param's when it is dense). An operand in another order, or every operand of
-// a non-dense param, is staged through a copy that is written back after the
-// pass; the usual case (states created like the param) copies nothing.
-struct TensorOperands {
-  at::Tensor p, g, m, v, vmax, c;
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (original, staged)
-
-  TensorOperands(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                 const at::Tensor& exp_avg_sq, const at::Tensor* max_sq,
-                 const at::Tensor* comp) {
-    p = param;
-    if (!param.is_non_overlapping_and_dense()) {
-      p = param.contiguous();
-      write_back.emplace_back(param, p);
-    }
-    g = stage(grad, false);
-    m = stage(exp_avg, true);
-    v = stage(exp_avg_sq, true);
-    if (max_sq) vmax = stage(*max_sq, true);
-    if (comp) c = stage(*comp, true);
-  }
-
-  at::Tensor stage(const at::Tensor& t, bool mutated) {
-    if (t.strides() == p.strides()) return t;
-    at::Tensor s = at::empty_like(p, t.options());
-    s.copy_(t);
-    if (mutated) write_back.emplace_back(t, s);
-    return s;
-  }
-
-  void finish() {
-    for (auto& [orig, staged] : write_back) orig.copy_(staged);
-  }
-};
-
-template <typename T>
-T* ptr(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
-}
-
 template <typename PT, typename ST, Compensation M, bool kAmsgrad>
 void adam_cpu_typed(std::vector<TensorOperands>& ops, const AdamHyper& h,
                     const std::vector<double>& steps) {
@@ -116,49 +75,14 @@ void adam_cpu_typed(std::vector<TensorOperands>& ops, const AdamHyper& h,
       const Chunk& ch = chunks[static_cast<size_t>(ci)];
       const TensorOperands& o = ops[static_cast<size_t>(ch.tensor)];
       const int64_t b = ch.begin;
-      S* vmax = kAmsgrad ? ptr<S>(o.vmax) + b : nullptr;
-      C* c = M != Compensation::kNone ? ptr<C>(o.c) + b : nullptr;
-      adam_run<PT, ST, M, kAmsgrad>(k, tk[static_cast<size_t>(ch.tensor)], ptr<P>(o.p) + b,
-                                    ptr<const P>(o.g) + b, ptr<S>(o.m) + b, ptr<S>(o.v) + b,
-                                    vmax, c, ch.len);
+      S* vmax = kAmsgrad ? operand_ptr<S>(o.vmax) + b : nullptr;
+      C* c = M != Compensation::kNone ? operand_ptr<C>(o.c) + b : nullptr;
+      adam_run<PT, ST, M, kAmsgrad>(k, tk[static_cast<size_t>(ch.tensor)],
+                                    operand_ptr<P>(o.p) + b, operand_ptr<const P>(o.g) + b,
+                                    operand_ptr<S>(o.m) + b, operand_ptr<S>(o.v) + b, vmax, c,
+                                    ch.len);
     }
   });
-}
-
-template <typename PT, typename ST>
-void adam_cpu_modes(std::vector<TensorOperands>& ops, const AdamHyper& h,
-                    const std::vector<double>& steps) {
-  const auto run = [&](auto mode) {
-    constexpr Compensation M = decltype(mode)::value;
-    if (h.amsgrad) {
-      adam_cpu_typed<PT, ST, M, true>(ops, h, steps);
-    } else {
-      adam_cpu_typed<PT, ST, M, false>(ops, h, steps);
-    }
-  };
-  using None = std::integral_constant<Compensation, Compensation::kNone>;
-  using Kahan = std::integral_constant<Compensation, Compensation::kKahan>;
-  using Remainder = std::integral_constant<Compensation, Compensation::kRemainder>;
-  // check_adam_args has rejected the combinations not instantiated here.
-  if constexpr (std::is_same_v<PT, Float64Storage>) {
-    run(None{});
-  } else {
-    if (h.mode == Compensation::kNone) run(None{});
-    if (h.mode == Compensation::kKahan) run(Kahan{});
-    if constexpr (std::is_same_v<PT, BFloat16Target>) {
-      if (h.mode == Compensation::kRemainder) run(Remainder{});
-    }
-  }
-}
-
-template <typename PT>
-void adam_cpu_states(std::vector<TensorOperands>& ops, const AdamHyper& h,
-                     const std::vector<double>& steps, at::ScalarType state_dtype) {
-  if (state_dtype == at::kBFloat16) {
-    adam_cpu_modes<PT, BFloat16Target>(ops, h, steps);
-  } else {
-    adam_cpu_modes<PT, Float32Target>(ops, h, steps);
-  }
 }
 
 }  // namespace
@@ -196,13 +120,11 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                      mode != Compensation::kNone ? &compensations[i] : nullptr);
   }
 
-  const at::ScalarType st = exp_avgs[0].scalar_type();
-  switch (params[0].scalar_type()) {
-    case at::kDouble: adam_cpu_modes<Float64Storage, Float64Storage>(ops, h, steps); break;
-    case at::kFloat: adam_cpu_modes<Float32Target, Float32Target>(ops, h, steps); break;
-    case at::kBFloat16: adam_cpu_states<BFloat16Target>(ops, h, steps, st); break;
-    default: adam_cpu_states<Float16Target>(ops, h, steps, st); break;
-  }
+  dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,
+                [&](auto pt, auto st, auto m, auto ams) {
+                  adam_cpu_typed<decltype(pt), decltype(st), decltype(m)::value,
+                                 decltype(ams)::value>(ops, h, steps);
+                });
   for (TensorOperands& o : ops) o.finish();
 }
 

@@ -1,0 +1,243 @@
+// adam_step_ on CUDA: one launch per dtype group steps every tensor of it
+// (a multi-tensor kernel, as torch's fused Adam), with the per-element math
+// of the CPU kernel (AdamElement, adam_common.h), so that params, moments,
+// compensation and unscaled grads are bit-identical to the CPU op's.
+//
+// The tensors' addresses, sizes and step constants go to the device as one
+// array (a pinned host buffer copied on the current stream, no host sync);
+// block b steps chunk b of the concatenated tensors and finds its tensor by a
+// binary search over the chunk offsets. A tensor lr and grad_scale are read
+// on the device, and the constants that depend on them are computed there
+// with the same float64 expressions as on the host.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../adam_common.h"
+#include "../ops.h"
+
+namespace torchcast {
+namespace {
+
+constexpr int kAdamThreads = 256;
+// Elements per block: enough work to amortize the block's setup, small
+// enough that a 50M-parameter group spreads over several waves of blocks.
+constexpr int64_t kAdamChunk = int64_t{1} << 14;
+
+// One non-empty tensor of the group, as the kernel sees it.
+template <typename T>
+struct DeviceTensor {
+  void* p;
+  void* g;
+  void* m;
+  void* v;
+  void* vmax;
+  void* c;
+  int64_t numel;
+  int64_t first_chunk;  // chunks of the tensors before this one
+  double bc1;           // 1 - beta1^step, for an lr known only on the device
+  AdamTensorConsts<T> t;
+};
+
+// Scalars that may live on the device (nullptr where absent), and what the
+// lr-dependent constants need besides lr.
+struct DeviceScalars {
+  const double* lr;
+  const double* grad_scale;
+  double weight_decay;
+  bool decoupled;
+};
+
+template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+__global__ void __launch_bounds__(kAdamThreads)
+    adam_kernel(const DeviceTensor<typename AdamElement<PT, ST, M, kAmsgrad>::T>* __restrict__
+                    tensors,
+                int ntensors, AdamConsts<typename AdamElement<PT, ST, M, kAmsgrad>::T> k,
+                DeviceScalars ds) {
+  using E = AdamElement<PT, ST, M, kAmsgrad>;
+  using T = typename E::T;
+  using P = typename PT::storage;
+  using S = typename ST::storage;
+  using C = typename E::C;
+  const int64_t chunk = blockIdx.x;
+  // The last tensor starting at or before this chunk (no tensor is empty).
+  int lo = 0, hi = ntensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tensors[mid].first_chunk <= chunk) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const DeviceTensor<T>& a = tensors[lo];
+  AdamTensorConsts<T> t = a.t;
+  if (ds.lr != nullptr) {
+    const double lr = *ds.lr;
+    set_lr_consts(k, lr, ds.weight_decay, ds.decoupled);
+    t.neg_step_size = neg_step_size_of<T>(lr, a.bc1);
+  }
+  // The unscale of the CPU op's grad.mul_(1 / grad_scale): the reciprocal in
+  // float64, rounded to the compute type, one multiply rounded to the grad.
+  const T inv_scale = ds.grad_scale != nullptr ? static_cast<T>(1.0 / *ds.grad_scale) : T(1);
+
+  P* __restrict__ p = static_cast<P*>(a.p);
+  P* __restrict__ g = static_cast<P*>(a.g);
+  S* __restrict__ m = static_cast<S*>(a.m);
+  S* __restrict__ v = static_cast<S*>(a.v);
+  S* __restrict__ vmax = static_cast<S*>(a.vmax);
+  C* __restrict__ c = static_cast<C*>(a.c);
+  const int64_t begin = (chunk - a.first_chunk) * kAdamChunk;
+  const int64_t rest = a.numel - begin;
+  const int64_t end = begin + (rest < kAdamChunk ? rest : kAdamChunk);
+  for (int64_t j = begin + threadIdx.x; j < end; j += kAdamThreads) {
+    P pj = p[j];
+    P gj = g[j];
+    if (ds.grad_scale != nullptr) {
+      gj = PT::round(PT::widen(gj) * inv_scale);
+      g[j] = gj;
+    }
+    S mj = m[j], vj = v[j], xj{};
+    C cj{};
+    if constexpr (kAmsgrad) xj = vmax[j];
+    if constexpr (M != Compensation::kNone) cj = c[j];
+    E::step(k, t, pj, gj, mj, vj, xj, cj);
+    p[j] = pj;
+    m[j] = mj;
+    v[j] = vj;
+    if constexpr (kAmsgrad) vmax[j] = xj;
+    if constexpr (M != Compensation::kNone) c[j] = cj;
+  }
+}
+
+template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
+                     const std::vector<double>& steps, const DeviceScalars& ds,
+                     const at::Device& device) {
+  using T = typename AdamElement<PT, ST, M, kAmsgrad>::T;
+  std::vector<DeviceTensor<T>> tensors;
+  tensors.reserve(ops.size());
+  int64_t nchunks = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const TensorOperands& o = ops[i];
+    const int64_t numel = o.p.numel();
+    if (numel == 0) continue;
+    tensors.push_back({o.p.data_ptr(), o.g.data_ptr(), o.m.data_ptr(), o.v.data_ptr(),
+                       operand_ptr<void>(o.vmax), operand_ptr<void>(o.c), numel, nchunks,
+                       bias_correction1(h, steps[i]), adam_tensor_consts<T>(h, steps[i])});
+    nchunks += (numel + kAdamChunk - 1) / kAdamChunk;
+  }
+  if (tensors.empty()) return;
+  TORCH_CHECK(nchunks <= std::numeric_limits<int32_t>::max(),
+              "torchcast.adam_step_: ", nchunks, " chunks of ", kAdamChunk,
+              " elements exceed one launch; step the params in several groups");
+
+  // Pinned, so that the copy is asynchronous on the current stream; the
+  // caching host allocator keeps the buffer until the copy has run.
+  const auto bytes = static_cast<int64_t>(tensors.size() * sizeof(DeviceTensor<T>));
+  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), tensors.data(), static_cast<size_t>(bytes));
+  const at::Tensor dev = host.to(device, /*non_blocking=*/true);
+
+  adam_kernel<PT, ST, M, kAmsgrad>
+      <<<static_cast<unsigned>(nchunks), kAdamThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          static_cast<const DeviceTensor<T>*>(dev.data_ptr()),
+          static_cast<int>(tensors.size()), adam_consts<T>(h), ds);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// A one-element scalar as float64 on the device: a device tensor is converted
+// there, a host one written by a fill kernel; neither waits for the device.
+at::Tensor device_double(const at::Tensor& t, const at::Device& device) {
+  const auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+  if (t.is_cpu()) return at::full({1}, t.item<double>(), opts);
+  return t.reshape({1}).to(opts);
+}
+
+// lr_on_device: the tensor lr (then h.lr is unused), or undefined.
+void adam_step_cuda_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                         at::TensorList compensations, at::TensorList state_steps,
+                         const AdamHyper& h, const at::Tensor& lr_on_device,
+                         const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf) {
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  TORCH_CHECK(device.is_cuda(), "torchcast.adam_step_: the CUDA kernel got params on ", device);
+  const c10::cuda::CUDAGuard guard(device);
+  // A GradScaler step with infs in the gradients changes nothing, step
+  // counts included. The counts live on the host, so a device found_inf is
+  // read here: the one synchronization of the op, only when found_inf is
+  // passed.
+  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+
+  at::Tensor scale;
+  if (grad_scale.has_value()) scale = device_double(*grad_scale, device);
+  const at::Tensor lr = lr_on_device.defined() ? device_double(lr_on_device, device) : at::Tensor();
+  const DeviceScalars ds{lr.defined() ? lr.data_ptr<double>() : nullptr,
+                         scale.defined() ? scale.data_ptr<double>() : nullptr, h.weight_decay,
+                         h.decoupled};
+
+  std::vector<double> steps;
+  std::vector<TensorOperands> ops;
+  steps.reserve(params.size());
+  ops.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    steps.push_back(increment_step(state_steps[i]));
+    ops.emplace_back(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                     h.amsgrad ? &max_exp_avg_sqs[i] : nullptr,
+                     h.mode != Compensation::kNone ? &compensations[i] : nullptr,
+                     /*grad_mutated=*/grad_scale.has_value());
+  }
+  dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), h.mode, h.amsgrad,
+                [&](auto pt, auto st, auto m, auto ams) {
+                  adam_cuda_typed<decltype(pt), decltype(st), decltype(m)::value,
+                                  decltype(ams)::value>(ops, h, steps, ds, device);
+                });
+  for (TensorOperands& o : ops) o.finish();
+}
+
+}  // namespace
+
+void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    at::TensorList compensations, at::TensorList state_steps, double lr,
+                    double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                    bool maximize, bool decoupled_weight_decay, std::string_view compensation,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  const Compensation mode =
+      check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                      state_steps, amsgrad, compensation, grad_scale, found_inf);
+  const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
+                    decoupled_weight_decay, mode};
+  adam_step_cuda_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                      state_steps, h, at::Tensor(), grad_scale, found_inf);
+}
+
+void adam_step_tensor_lr_cuda(at::TensorList params, at::TensorList grads,
+                              at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                              at::TensorList max_exp_avg_sqs, at::TensorList compensations,
+                              at::TensorList state_steps, const at::Tensor& lr, double beta1,
+                              double beta2, double weight_decay, double eps, bool amsgrad,
+                              bool maximize, bool decoupled_weight_decay,
+                              std::string_view compensation,
+                              const std::optional<at::Tensor>& grad_scale,
+                              const std::optional<at::Tensor>& found_inf) {
+  TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
+  const Compensation mode =
+      check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                      state_steps, amsgrad, compensation, grad_scale, found_inf);
+  // lr = 0 is never read: the device computes the lr-dependent constants.
+  const AdamHyper h{0.0, beta1, beta2, weight_decay, eps, amsgrad, maximize,
+                    decoupled_weight_decay, mode};
+  adam_step_cuda_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                      state_steps, h, lr, grad_scale, found_inf);
+}
+
+}  // namespace torchcast
