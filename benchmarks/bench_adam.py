@@ -120,8 +120,10 @@ def speed(rounds, copy_gbs, threads, args):
             gbs = nbytes / t / 1e9
             rows.append((label, name, t * 1e3, r32, r16, gbs, 100 * gbs / copy_gbs))
         del cases, master, model, mparams, g32, g16
+    load = os.getloadavg()[0]
     head = (f"One AdamW step (lr 1e-3, wd 1e-2), torch {torch.__version__}, "
-            f"torch.set_num_threads({threads}), {rounds} interleaved rounds, medians; "
+            f"torch.set_num_threads({threads}), {rounds} interleaved rounds, medians, "
+            f"{os.cpu_count()} cores shared with other work (load average {load:.1f}); "
             f"copy bandwidth {copy_gbs:.1f} GB/s. Command: `PYTHONPATH=. python "
             f"benchmarks/bench_adam.py --speed --rounds {rounds} --threads "
             f"{' '.join(map(str, args.threads))}`")

@@ -309,13 +309,14 @@ TC_HD void kahan_update(float p, typename Target::storage& p_out, typename Targe
 // nearest (ties away from zero), so the model computes with the nearest
 // bfloat16; the remainder is the low half read as a signed offset from it.
 // A NaN master keeps a NaN parameter (quiet bit set) instead of letting the
-// round-up carry into the sign.
+// round-up carry into the sign, and a zero remainder: NaN payloads differ
+// between devices, the remainder must not.
 TC_HD void split_bf16_remainder(float master, uint16_t& hi, int16_t& rem) {
   const uint32_t u = bit_cast<uint32_t>(master);
   const uint32_t lo = u & 0xffffu;
   const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
   hi = static_cast<uint16_t>(nan ? ((u >> 16) | 0x0040u) : (u >> 16) + (lo >> 15));
-  rem = bit_cast<int16_t>(static_cast<uint16_t>(lo));
+  rem = bit_cast<int16_t>(static_cast<uint16_t>(nan ? 0u : lo));
 }
 
 TC_HD float join_bf16_remainder(uint16_t hi, int16_t rem) {

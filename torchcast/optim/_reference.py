@@ -70,12 +70,13 @@ def join_bf16_remainder(p, rem):
 
 def split_bf16_remainder(master):
     """(bfloat16 param, int16 remainder) holding a float32 master bit-exactly:
-    the top half rounded to nearest, ties away from zero (a NaN stays NaN)."""
+    the top half rounded to nearest, ties away from zero (a NaN stays NaN,
+    with a zero remainder)."""
     u = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     lo = u & 0xFFFF
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     hi = torch.where(nan, (u >> 16) | 0x40, (u >> 16) + (lo >> 15)) & 0xFFFF
-    return _as_int16(hi).view(torch.bfloat16), _as_int16(lo)
+    return _as_int16(hi).view(torch.bfloat16), _as_int16(torch.where(nan, 0, lo))
 
 
 def kahan_update(pv, p, c, u):

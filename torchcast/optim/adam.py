@@ -2,8 +2,6 @@
 fused pass per dtype group, with parameters kept in their own dtype and their
 rounding errors carried to the next step (Kahan compensation, or the low half
 of a float32 master weight for bfloat16)."""
-from collections import defaultdict
-
 import torch
 from torch.optim import Optimizer
 
@@ -19,6 +17,13 @@ _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads")
 _OWN_STATE_KEYS = ("compensation", "remainder")
+# The state keys of a param, by (compensation mode, amsgrad).
+_STATE_KEYS = {
+    (mode, ams): ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+    + {"none": (), "kahan": ("compensation",), "remainder": ("remainder",)}[mode]
+    for mode in ("none", "kahan", "remainder") for ams in (False, True)
+}
+_DTENSOR = None  # torch.distributed.tensor.DTensor once looked up, False without it
 
 
 def _real_dtype(t):
@@ -34,10 +39,13 @@ def _local(t):
 
 
 def _is_dtensor(t):
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
+    global _DTENSOR
+    if _DTENSOR is None:
+        _DTENSOR = False
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+            _DTENSOR = DTensor
+    return _DTENSOR is not False and isinstance(t, _DTENSOR)
 
 
 def _describe(gi, i, p):
@@ -116,6 +124,7 @@ class Adam(Optimizer):
         if differentiable:
             raise RuntimeError(f"torchcast.optim.{name} does not support differentiable=True; "
                                "use torch.optim." + name)
+        self._valid_configs = set()  # (options, dtype) already checked by _check_param
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, compensated=compensated,
                         compensation=compensation, state_dtype=state_dtype,
@@ -132,6 +141,7 @@ class Adam(Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("_valid_configs", set())
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -155,6 +165,9 @@ class Adam(Optimizer):
         return _COMPLEX_OF[sd] if p.is_complex() else sd
 
     def _check_param(self, group, gi, i, p):
+        key = (group["compensated"], group["compensation"], group["state_dtype"], p.dtype)
+        if key in self._valid_configs:
+            return
         name = type(self).__name__
         where = _describe(gi, i, p)
         if not (p.is_floating_point() or p.is_complex()):
@@ -180,6 +193,7 @@ class Adam(Optimizer):
         if p.is_complex() and dtype in _NARROW and group["state_dtype"] == torch.bfloat16:
             raise ValueError(f"torchcast.optim.{name}: {where}: there is no complex bfloat16 "
                              "for the states of a complex param; use state_dtype=None")
+        self._valid_configs.add(key)
 
     @staticmethod
     def _step_tensor(step):
@@ -189,6 +203,15 @@ class Adam(Optimizer):
             return step if step.device.type == "cpu" and step.dtype in (
                 torch.float32, torch.float64) else step.to("cpu", torch.float32)
         return torch.tensor(float(step), dtype=torch.float32)
+
+    def _state(self, group, p, mode):
+        """The param's state, complete for its mode (the usual case: checked
+        by its keys alone)."""
+        state = self.state[p]
+        keys = _STATE_KEYS[(mode, bool(group["amsgrad"]))]
+        if len(state) == len(keys) and all(k in state for k in keys):
+            return state
+        return self._init_state(group, p)
 
     def _init_state(self, group, p):
         """The param's state, with whatever is missing created: lazily on the
@@ -226,13 +249,14 @@ class Adam(Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                where = _describe(gi, i, p)
                 if g.layout != torch.strided:
                     raise RuntimeError(
-                        f"torchcast.optim.{name} does not support sparse gradients ({where} "
-                        f"has a {g.layout} grad), please consider torch.optim.SparseAdam instead")
+                        f"torchcast.optim.{name} does not support sparse gradients "
+                        f"({_describe(gi, i, p)} has a {g.layout} grad), please consider "
+                        "torch.optim.SparseAdam instead")
                 self._check_param(group, gi, i, p)
                 if g.dtype != p.dtype or g.device != p.device:
+                    where = _describe(gi, i, p)
                     if not group["cast_grads"]:
                         raise RuntimeError(
                             f"torchcast.optim.{name}: the grad of {where} is {g.dtype} on "
@@ -243,8 +267,9 @@ class Adam(Optimizer):
                     from ..cast import safe_to
                     g = safe_to(g, p.dtype, name=f"grad of {where}").to(p.device)
                 if g.shape != p.shape:
-                    raise RuntimeError(f"torchcast.optim.{name}: the grad of {where} has shape "
-                                       f"{tuple(g.shape)}; nothing was updated")
+                    raise RuntimeError(f"torchcast.optim.{name}: the grad of "
+                                       f"{_describe(gi, i, p)} has shape {tuple(g.shape)}; "
+                                       "nothing was updated")
                 items.append((p, g))
             work.append((group, items))
         return work
@@ -259,27 +284,38 @@ class Adam(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         for group, items in self._checked_grads():
-            batches = defaultdict(lambda: defaultdict(list))
+            amsgrad = bool(group["amsgrad"])
+            batches = {}  # (device, dtype, state dtype, mode) -> the op's seven lists
             for p, g in items:
-                state = self._init_state(group, p)
-                local = _local(p)
+                plain = not (p.is_complex() or _is_dtensor(p))
+                local = p if plain else _local(p)
                 mode = self._mode(group, local.dtype)
-                b = batches[(local.device, local.dtype, state["exp_avg"].dtype, mode)]
-                b["params"].append(local)
-                b["grads"].append(_local(g))
-                b["exp_avgs"].append(_local(state["exp_avg"]))
-                b["exp_avg_sqs"].append(_local(state["exp_avg_sq"]))
-                if group["amsgrad"]:
-                    b["max_exp_avg_sqs"].append(_local(state["max_exp_avg_sq"]))
+                state = self._state(group, p, mode)
+                tensors = [g, state["exp_avg"], state["exp_avg_sq"]]
+                if amsgrad:
+                    tensors.append(state["max_exp_avg_sq"])
                 if mode != "none":
-                    b["compensations"].append(_local(state[
-                        "compensation" if mode == "kahan" else "remainder"]))
-                b["state_steps"].append(state["step"])
-            for (device, _, _, mode), b in batches.items():
-                self._launch(group, device, mode, b, grad_scale, found_inf)
+                    tensors.append(state["compensation" if mode == "kahan" else "remainder"])
+                if not plain:
+                    tensors = [_local(t) for t in tensors]
+                key = (local.device, local.dtype, tensors[1].dtype, mode)
+                b = batches.get(key)
+                if b is None:
+                    b = batches[key] = [[] for _ in range(7)]
+                b[0].append(local)
+                b[1].append(tensors[0])
+                b[2].append(tensors[1])
+                b[3].append(tensors[2])
+                if amsgrad:
+                    b[4].append(tensors[3])
+                if mode != "none":
+                    b[5].append(tensors[-1])
+                b[6].append(state["step"])
+            for (device, _, _, mode), lists in batches.items():
+                self._launch(group, device, mode, lists, grad_scale, found_inf)
         return loss
 
-    def _launch(self, group, device, mode, b, grad_scale, found_inf):
+    def _launch(self, group, device, mode, lists, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         kwargs = dict(
@@ -289,8 +325,6 @@ class Adam(Optimizer):
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device))
-        lists = [b[k] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                                "compensations", "state_steps")]
         kernel = _ops.has_adam_kernel(device)
         if group["fused"] and not kernel:
             raise RuntimeError(f"torchcast.optim.{type(self).__name__}: fused=True but "
