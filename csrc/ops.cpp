@@ -22,11 +22,16 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(torchcast, m) {
   m.def("cast_with_stats(Tensor x, ScalarType dtype) -> (Tensor y, Tensor stats)");
   m.def("cast_with_stats.out(Tensor x, ScalarType dtype, *, Tensor(a!) out) -> Tensor stats");
+  // kahan_sum / kahan_mean: arguments as torch.sum / torch.mean.
+  m.def("kahan_sum(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
+  m.def("kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
   m.impl("cast_with_stats", &torchcast::cast_with_stats_cpu);
   m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cpu);
+  m.impl("kahan_sum", &torchcast::kahan_sum_cpu);
+  m.impl("kahan_mean", &torchcast::kahan_mean_cpu);
 }
 
 #ifdef TORCHCAST_WITH_CUDA
