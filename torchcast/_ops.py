@@ -108,8 +108,8 @@ def _kahan_fake(op):
     return fake
 
 
-def _kahan_setup_context(ctx, inputs, output):
-    x, dim, keepdim = inputs[0], inputs[1], inputs[2]
+def _kahan_setup_context(ctx, inputs, keyword_only_inputs, output):
+    x, dim, keepdim = inputs
     ctx.shape, ctx.dtype, ctx.keepdim = x.shape, x.dtype, keepdim
     ctx.dims = _reduce_reference.reduce_dims(x, dim)
     ctx.count = math.prod(x.shape[d] for d in ctx.dims)
@@ -127,8 +127,9 @@ def _reduce_grad(grad, shape, dtype, dims, keepdim, count, mean):
 
 def _kahan_backward(mean):
     def backward(ctx, grad):
+        # One gradient per positional input (x, dim, keepdim).
         return (_reduce_grad(grad, ctx.shape, ctx.dtype, ctx.dims, ctx.keepdim, ctx.count, mean),
-                None, None, None)
+                None, None)
     return backward
 
 
@@ -156,7 +157,7 @@ class _FallbackReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, dim, keepdim, mean):
-        _kahan_setup_context(ctx, (x, dim, keepdim), y)
+        _kahan_setup_context(ctx, (x, dim, keepdim), {}, y)
         ctx.mean = mean
         return y
 

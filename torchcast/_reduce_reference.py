@@ -42,7 +42,7 @@ def reduce_dims(x, dim):
         if not lo <= d <= hi:
             raise IndexError(
                 f"Dimension out of range (expected to be in range of [{lo}, {hi}], but got {d})")
-        w = d + nd if d < 0 else d
+        w = d + max(nd, 1) if d < 0 else d
         if w in seen:
             raise RuntimeError(f"dim {w} appears multiple times in the list of dims")
         seen.append(w)

@@ -523,8 +523,9 @@ at::Tensor kahan_reduce_cpu(const char* op, const at::Tensor& x, at::OptionalInt
   const int64_t k = numel_of(kept), m = numel_of(reduced);
   if (k == 0) return out;
   const Writer write{out.data_ptr(), out_dtype, static_cast<double>(m), mean};
-  if (m == 0) {
-    for (int64_t o = 0; o < k; ++o) write(o, 0.0);
+  if (m == 0) {  // torch's empty sum and mean: 0 and NaN
+    const double empty = mean ? std::numeric_limits<double>::quiet_NaN() : 0.0;
+    for (int64_t o = 0; o < k; ++o) write(o, empty);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce", [&] {
