@@ -49,8 +49,9 @@
 
 namespace torchcast {
 
-// Scheme 2 needs runs this long to pay for its 32 lanes and tree per output.
-constexpr int64_t kWarpMinRun = kWarp;
+// Scheme 2 needs runs this long (two elements per lane) to pay for its 32
+// lanes and tree per output; shorter runs go to scheme 3.
+constexpr int64_t kWarpMinRun = 2 * kWarp;
 
 // A compensated float32 partial sum.
 struct CompensatedSum {

@@ -256,7 +256,7 @@ def test_random_layouts(case):
     ((200000,), None, torch.bfloat16),
     ((70000, 4), [0, 1], torch.float64),    # full order over a 2-D tensor
     ((70000, 3), [0], torch.float32),       # one lane, two segments per output
-    ((5, 333, 40), [0, 2], torch.bfloat16), # warp lanes over non-adjacent dims
+    ((5, 333, 80), [0, 2], torch.bfloat16), # warp lanes over non-adjacent dims
 ])
 def test_multi_segment_matches_reference(shape, dim, dtype):
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 1e3).to(dtype)
@@ -265,24 +265,25 @@ def test_multi_segment_matches_reference(shape, dim, dtype):
                    R.kahan_reduce(x, dim, False, torch.float64, True))
 
 
-SWEEP = [  # (layout, dim, scheme)
-    (lambda t: t.reshape(7, 45), [1], "warp"),
-    (lambda t: t.reshape(5, 63)[:, 10:], [-1], "warp"),
-    (lambda t: t.reshape(3, 3, 35), [1, 2], "warp"),     # merged into one run of 105
-    (lambda t: t.reshape(9, 35).t(), [0], "warp"),       # transposed: dim 0 is contiguous
-    (lambda t: t.reshape(9, 35), [0], "one"),
-    (lambda t: t.reshape(15, 21)[:, ::2], [1], "one"),   # strided run
-    (lambda t: t.reshape(3, 105)[:1].expand(4, 105), [0], "one"),  # stride-0 dim
-    (lambda t: t.reshape(5, 7, 9), [0, 2], "one"),       # run of 9 < a warp
-    (lambda t: t.reshape(315), [0], "full"),
-    (lambda t: t.reshape(9, 35).t(), None, "full"),
+SWEEP = [  # (layout of 630 elements, dim, scheme)
+    (lambda t: t.reshape(6, 105), [1], "warp"),
+    (lambda t: t.reshape(5, 126)[:, 20:], [-1], "warp"),
+    (lambda t: t.reshape(2, 5, 63), [1, 2], "warp"),     # merged into one run of 315
+    (lambda t: t.reshape(9, 70).t(), [0], "warp"),       # transposed: dim 0 is contiguous
+    (lambda t: t.reshape(10, 63), [1], "one"),           # a run shorter than 2 warps
+    (lambda t: t.reshape(9, 70), [0], "one"),
+    (lambda t: t.reshape(15, 42)[:, ::2], [1], "one"),   # strided run
+    (lambda t: t.reshape(6, 105)[:1].expand(4, 105), [0], "one"),  # stride-0 dim
+    (lambda t: t.reshape(5, 7, 18), [0, 2], "one"),
+    (lambda t: t.reshape(630), [0], "full"),
+    (lambda t: t.reshape(9, 70).t(), None, "full"),
 ]
 
 
 @pytest.mark.parametrize("layout,dim,scheme", SWEEP)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_scheme_sweep_matches_reference(layout, dim, scheme, dtype):
-    base = torch.randn(315, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    base = torch.randn(630, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     x = layout((base * 100).to(dtype))
     assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
     for mean in (False, True):
@@ -297,8 +298,8 @@ def test_schemes_are_the_documented_ones():
     assert R.plan(x, [0, 1])[2] == "full"
     assert R.plan(x, [1])[2] == "warp"
     assert R.plan(x, [0])[2] == "one"
-    assert R.plan(torch.zeros(64, 31), [1])[2] == "one"  # run shorter than a warp
-    assert R.plan(torch.zeros(8, 4, 8), [1, 2])[2] == "warp"  # contiguous dims merge
+    assert R.plan(torch.zeros(64, 63), [1])[2] == "one"  # run shorter than two warps
+    assert R.plan(torch.zeros(8, 4, 16), [1, 2])[2] == "warp"  # contiguous dims merge
     assert R.plan(torch.zeros(1, 5), [1])[2] == "full"  # one output
 
 

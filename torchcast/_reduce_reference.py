@@ -13,7 +13,7 @@ from . import _reference
 from ._reference import BLOCK_THREADS, CHUNK, WARP
 
 # Mirrors csrc/reduce_common.h.
-WARP_MIN_RUN = WARP
+WARP_MIN_RUN = 2 * WARP
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
