@@ -9,6 +9,7 @@ the relative error of every result against math.fsum of the exact values.
     PYTHONPATH=. python benchmarks/bench_reduce.py [--rounds N] [--threads T]
 """
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -29,16 +30,24 @@ def timed(fn):
 
 
 def exact_sums(x2d):
-    """math.fsum of each row of a 2-D float tensor (exact, then rounded to
-    float64), fed in pieces to keep the Python lists small."""
-    return [math.fsum(v for piece in row.split(1 << 20) for v in piece.double().tolist())
-            for row in x2d]
+    """The exact sum of each row of a 2-D float tensor as a pair hi + lo of
+    float64 (math.fsum is correctly rounded, so lo is the exact residual,
+    rounded once); fed in pieces to keep the Python lists small."""
+    def values(row):
+        return (v for piece in row.split(1 << 20) for v in piece.double().tolist())
+
+    pairs = []
+    for row in x2d:
+        hi = math.fsum(values(row))
+        pairs.append((hi, math.fsum(itertools.chain(values(row), [-hi]))))
+    return pairs
 
 
 def rel_error(result, exact):
-    """Largest |result - exact| / |exact| over the outputs, in float64."""
+    """Largest |result - exact| / |exact| over the outputs. result - hi is
+    exact (Sterbenz) for any result within a factor 2 of the sum."""
     got = result.double().reshape(-1).tolist()
-    return max(abs(g - e) / abs(e) for g, e in zip(got, exact))
+    return max(abs((g - hi) - lo) / abs(hi) for g, (hi, lo) in zip(got, exact))
 
 
 def copy_bandwidth(n, rounds):
@@ -49,18 +58,8 @@ def copy_bandwidth(n, rounds):
     return 2 * src.numel() * src.element_size() / t / 1e9
 
 
-def bench_case(label, x, dim, rounds, copy_gbs):
-    """Rows of the table for one reduction of x over dim (None: all)."""
-    args = () if dim is None else (dim,)
-    # The exact result of every output, as a 2-D (outputs, reduced) view.
-    if dim is None:
-        rows_view = x.reshape(1, -1)
-    elif dim == x.dim() - 1:
-        rows_view = x.reshape(-1, x.shape[-1])
-    else:
-        rows_view = x.movedim(dim, -1).reshape(-1, x.shape[dim])
-    exact = exact_sums(rows_view)
-    cases = [
+def float32_cases(x, args):
+    return [
         ("torchcast.kahan_sum", lambda: torchcast.kahan_sum(x, *args)),
         ("torchcast.kahan_sum(dtype=float64)",
          lambda: torchcast.kahan_sum(x, *args, dtype=torch.float64)),
@@ -68,13 +67,37 @@ def bench_case(label, x, dim, rounds, copy_gbs):
         ("torch.sum(dtype=float64)", lambda: torch.sum(x, *args, dtype=torch.float64)),
         ("x.double().sum()", lambda: x.double().sum(*args)),
     ]
+
+
+def half_cases(x, args):
+    return [
+        ("torchcast.kahan_sum", lambda: torchcast.kahan_sum(x, *args)),
+        ("torchcast.kahan_sum(dtype=float32)",
+         lambda: torchcast.kahan_sum(x, *args, dtype=torch.float32)),
+        ("torch.sum", lambda: torch.sum(x, *args)),
+        ("torch.sum(dtype=float32)", lambda: torch.sum(x, *args, dtype=torch.float32)),
+        ("torch.sum(dtype=float64)", lambda: torch.sum(x, *args, dtype=torch.float64)),
+    ]
+
+
+def bench_case(label, x, dim, rounds, copy_gbs, make_cases):
+    """Rows of the table for one reduction of x over dim (None: all); the
+    first of make_cases' ops is ours, the time ratios are against it."""
+    args = () if dim is None else (dim,)
+    # The exact result of every output, as a 2-D (outputs, reduced) view.
+    if dim is None:
+        rows_view = x.reshape(1, -1)
+    else:
+        rows_view = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    exact = exact_sums(rows_view)
+    cases = make_cases(x, args)
     results = {name: fn() for name, fn in cases}  # warm-up, and the values
     times = {name: [] for name, _ in cases}
     for _ in range(rounds):
         for name, fn in cases:
             times[name].append(timed(fn))
-    ours = times["torchcast.kahan_sum"]
-    out_bytes = results["torch.sum"].numel() * 4
+    ours = times[cases[0][0]]
+    out_bytes = results[cases[0][0]].numel() * x.element_size()
     in_bytes = x.numel() * x.element_size()
     rows = []
     for name, _ in cases:
@@ -97,25 +120,34 @@ def main():
     torch.manual_seed(0)
     n = 1 << LOG2_N
     copy_gbs = copy_bandwidth(n, args.rounds)
-    # Uniform [0, 1): every float32 exponent below 1 occurs, the sum grows to
-    # 2^24, so float32 accumulation loses digits (condition number 1).
-    x = torch.rand(n)
+    # Uniform [0, 1) drawn in float64 and rounded, so that every value has a
+    # full 24-bit mantissa (torch.rand's float32 values are multiples of
+    # 2^-24, whose sum float64 holds exactly). The sum grows to 2^24, where
+    # float32 keeps no fractional bits (condition number 1).
+    x = torch.rand(n, dtype=torch.float64).float()
     grid = x.view(1 << 12, 1 << 13)
-    small = torch.rand(1 << 12)
+    small = torch.rand(1 << 12, dtype=torch.float64).float()
     rows = []
-    rows += bench_case(f"full, 2^{LOG2_N}", x, None, args.rounds, copy_gbs)
-    rows += bench_case("dim=1 (inner), 4096x8192", grid, 1, args.rounds, copy_gbs)
-    rows += bench_case("dim=0 (outer), 4096x8192", grid, 0, args.rounds, copy_gbs)
-    rows += bench_case("full, 2^12", small, None, max(args.rounds, 200), copy_gbs)
+    rows += bench_case(f"full, 2^{LOG2_N}", x, None, args.rounds, copy_gbs, float32_cases)
+    rows += bench_case("dim=1 (inner), 4096x8192", grid, 1, args.rounds, copy_gbs,
+                       float32_cases)
+    rows += bench_case("dim=0 (outer), 4096x8192", grid, 0, args.rounds, copy_gbs,
+                       float32_cases)
+    rows += bench_case("full, 2^12", small, None, max(args.rounds, 200), copy_gbs,
+                       float32_cases)
+    rows += bench_case(f"bfloat16, full, 2^{LOG2_N}", x.bfloat16(), None, args.rounds, copy_gbs,
+                       half_cases)
 
     command = "PYTHONPATH=. python benchmarks/bench_reduce.py " + " ".join(sys.argv[1:])
     lines = [
         f"`{command.strip()}` -- torch {torch.__version__}, "
-        f"torch.set_num_threads({torch.get_num_threads()}), float32 input uniform in [0, 1), "
+        f"torch.set_num_threads({torch.get_num_threads()}), input uniform in [0, 1) with full "
+        "float32 mantissas (the bfloat16 rows round it), "
         f"{args.rounds} interleaved rounds, copy bandwidth {copy_gbs:.1f} GB/s "
         "(read + write, `dst.copy_(src)`, 2^25 float32)",
         "",
-        "| case | op | median ms | kahan_sum time / op time | GB/s | % of copy | max rel. error vs math.fsum |",
+        "| case | op | median ms | kahan_sum time / op time | GB/s | % of copy "
+        "| max rel. error vs math.fsum |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for label, name, ms, ratio, gbs, pct, err in rows:

@@ -185,7 +185,8 @@ def reductions(draw):
     out_dtype = draw(st.sampled_from((None,) + FLOATS))
     return dict(shape=shape, perm=perm, steps=steps, expand=expand, dtype=dtype, dim=dim,
                 keepdim=draw(st.booleans()), out_dtype=out_dtype, mean=draw(st.booleans()),
-                seed=draw(st.integers(0, 2 ** 31 - 1)), scale=draw(st.sampled_from([1.0, 1e-30, 1e4])))
+                seed=draw(st.integers(0, 2 ** 31 - 1)),
+                scale=draw(st.sampled_from([1.0, 1e-30, 1e4])))
 
 
 def make_input(case):
@@ -318,7 +319,8 @@ def test_bitwise_equal_across_thread_counts(shape, dim):
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             results.append([torchcast.kahan_sum(x, dim), torchcast.kahan_mean(x, dim),
-                            torchcast.kahan_sum(x.half(), dim), torchcast.kahan_sum(x.double(), dim)])
+                            torchcast.kahan_sum(x.half(), dim),
+                            torchcast.kahan_sum(x.double(), dim)])
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:

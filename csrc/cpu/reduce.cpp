@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "../cast_common.h"
@@ -77,7 +76,9 @@ TC_CPU_CLONES void add_tile(acc_of<scalar_t>* __restrict__ s, acc_of<scalar_t>* 
     lc[j] = c[j];
   }
   for (int64_t r = 0; r < rows; ++r) {
-    for (int j = 0; j < kTile; ++j) Src::Partial::add(ls[j], lc[j], Src::widen(x[r * rs + j * sx]));
+    for (int j = 0; j < kTile; ++j) {
+      Src::Partial::add(ls[j], lc[j], Src::widen(x[r * rs + j * sx]));
+    }
   }
   for (int j = 0; j < kTile; ++j) {
     s[j] = ls[j];
@@ -93,13 +94,15 @@ TC_CPU_CLONES void add_rows(acc_of<scalar_t>* __restrict__ s, acc_of<scalar_t>* 
   using Src = Source<scalar_t>;
   if (kUnitStride) sx = 1;
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < n; ++j) Src::Partial::add(s[j], c[j], Src::widen(x[r * rs + j * sx]));
+    for (int64_t j = 0; j < n; ++j) {
+      Src::Partial::add(s[j], c[j], Src::widen(x[r * rs + j * sx]));
+    }
   }
 }
 
 // Rows per pass over a register tile.
 constexpr int64_t kRowBlock = 8;
-// How far ahead add_block prefetches contiguous x (a float32 chunk).
+// How far ahead add_block prefetches contiguous x: one float32 chunk.
 constexpr int64_t kPrefetchBytes = kChunk * 4;
 
 // rows x n block of elements (lane stride sx, row stride rs) into n
@@ -114,16 +117,19 @@ void add_block(acc_of<scalar_t>* s, acc_of<scalar_t>* c, const storage_of<scalar
                int64_t n, int64_t rows, int64_t rs, const void* pf_end) {
   const int64_t tiled = n / kTile * kTile;
   const bool prefetch = pf_end != nullptr && kUnitStride && rs == n && tiled > kTile;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const int64_t nr = std::min(kRowBlock, rows - r0);
+  // A single tile walks its rows in memory order: no need to block them.
+  const int64_t row_block = n == kTile ? rows : kRowBlock;
+  for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
+    const int64_t nr = std::min(row_block, rows - r0);
     const auto* xr = x + r0 * rs;
     const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
-    const int64_t lines_per_tile = nr * n * static_cast<int64_t>(sizeof(*x)) / 64 / (tiled / kTile);
+    // The row block's cache lines, spread over its tiles (prefetch implies
+    // at least two tiles).
+    const int64_t lines_per_tile =
+        prefetch ? nr * n * static_cast<int64_t>(sizeof(*x)) / 64 / (tiled / kTile) : 0;
     for (int64_t j = 0; j < tiled; j += kTile) {
-      if (prefetch) {
-        for (int64_t q = 0; q < lines_per_tile && ahead < pf_end; ++q, ahead += 64) {
-          __builtin_prefetch(ahead, 0, 2);
-        }
+      for (int64_t q = 0; q < lines_per_tile && ahead < pf_end; ++q, ahead += 64) {
+        __builtin_prefetch(ahead, 0, 2);
       }
       add_tile<scalar_t, kTile, kUnitStride>(s + j, c + j, xr + j * sx, sx, nr, rs);
     }
@@ -168,7 +174,7 @@ int64_t numel_of(const Axes& axes) {
 template <typename Fn>
 void for_each_run(const Axes& axes, int64_t begin, int64_t end, Fn&& fn) {
   const int nd = static_cast<int>(axes.size());
-  c10::SmallVector<int64_t, 8> idx(nd);
+  c10::SmallVector<int64_t, 8> idx(nd, 0);
   int64_t xoff = 0, ooff = 0, rem = begin;
   for (int d = nd - 1; d >= 0; --d) {
     idx[d] = rem % axes[d].size;
@@ -253,6 +259,8 @@ TC_CPU_CLONES void store_rounded(typename Target::storage* __restrict__ out, int
   }
 }
 
+// Where the results go: the output's data (contiguous), its dtype, and the
+// count a mean divides by.
 struct Writer {
   void* data;
   at::ScalarType dtype;
@@ -424,7 +432,7 @@ void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& ke
   const int64_t nblocks = (vec.size + block - 1) / block;
   const int64_t k = nrows * vec.size;
   std::vector<P> partials(static_cast<size_t>(nseg > 1 ? k * nseg : 0));
-  const int64_t grain = std::max<int64_t>(1, kChunk / std::max<int64_t>(1, block * std::min(m, kChunk)));
+  const int64_t grain = std::max<int64_t>(1, kChunk / (block * std::min(m, kChunk)));
   at::parallel_for(0, nrows * nblocks * nseg, grain, [&](int64_t first, int64_t last) {
     std::vector<Acc> s(static_cast<size_t>(block)), c(static_cast<size_t>(block));
     std::vector<double> values(static_cast<size_t>(block));
@@ -439,11 +447,11 @@ void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& ke
       for_each_run(reduced, seg * kChunk, std::min(m, (seg + 1) * kChunk),
                    [&](int64_t xoff, int64_t, int64_t len, int64_t) {
                      if (vec.xstride == 1) {
-                       add_block<scalar_t, kOneLaneTile, true>(s.data(), c.data(), xb + xoff, 1, n, len, rs,
-                                                               nullptr);
+                       add_block<scalar_t, kOneLaneTile, true>(s.data(), c.data(), xb + xoff, 1,
+                                                               n, len, rs, nullptr);
                      } else {
-                       add_block<scalar_t, kOneLaneTile, false>(s.data(), c.data(), xb + xoff, vec.xstride, n,
-                                                                len, rs, nullptr);
+                       add_block<scalar_t, kOneLaneTile, false>(s.data(), c.data(), xb + xoff,
+                                                                vec.xstride, n, len, rs, nullptr);
                      }
                    });
       if (nseg == 1) {
@@ -469,7 +477,7 @@ void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& ke
 template <typename scalar_t>
 void reduce_into(const at::Tensor& x, const Axes& kept, const Axes& reduced, const Writer& write) {
   using storage = typename Source<scalar_t>::storage;
-  const auto* xp = reinterpret_cast<const storage*>(x.const_data_ptr()) ;
+  const auto* xp = reinterpret_cast<const storage*>(x.const_data_ptr());
   const Axis& run = reduced.back();
   if (numel_of(kept) == 1) {
     reduce_full<scalar_t>(xp, reduced, write);
