@@ -390,6 +390,8 @@ def test_empty_and_zero_dim():
 
 
 def test_dim_forms_match_torch():
+    many = torch.ones([2] * 3 + [1] * 62)  # torch.sum takes any number of dims with dim=None
+    assert torchcast.kahan_sum(many).item() == 8 and torchcast.kahan_mean(many, ()).item() == 1
     x = torch.randn(2, 3, 4, 5)
     for dim in (0, -1, (1, 3), [0, -2], (), [], (-4, 1, 2, 3)):
         for keepdim in (False, True):
@@ -441,6 +443,7 @@ def test_errors_match_torch():
         (lambda f: f(x, (0, 0)), lambda: torch.sum(x, (0, 0))),
         (lambda f: f(x, (1, -1)), lambda: torch.sum(x, (1, -1))),
         (lambda f: f(torch.tensor(1.0), 1), lambda: torch.sum(torch.tensor(1.0), 1)),
+        (lambda f: f(torch.ones([1] * 65), 0), lambda: torch.sum(torch.ones([1] * 65), 0)),
     ]
     for ours, theirs in mistakes:
         expected = type(_raised(theirs))

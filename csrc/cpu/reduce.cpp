@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/ReduceOpsUtils.h>
+#include <c10/util/DimVector.h>
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
@@ -145,6 +146,7 @@ struct Axis {
   int64_t size, xstride, ostride;
 };
 using Axes = c10::SmallVector<Axis, 8>;  // outermost first
+constexpr size_t kMaxAxes = 64;  // after coalesce(); for_each_run's index
 
 // Drops size-1 axes and merges neighbours that are contiguous in x and in
 // the output; neither changes the order of the index space. Never empty.
@@ -174,7 +176,7 @@ int64_t numel_of(const Axes& axes) {
 template <typename Fn>
 void for_each_run(const Axes& axes, int64_t begin, int64_t end, Fn&& fn) {
   const int nd = static_cast<int>(axes.size());
-  c10::SmallVector<int64_t, 8> idx(nd, 0);
+  int64_t idx[kMaxAxes];  // all nd entries set below
   int64_t xoff = 0, ooff = 0, rem = begin;
   for (int d = nd - 1; d >= 0; --d) {
     idx[d] = rem % axes[d].size;
@@ -506,22 +508,26 @@ at::Tensor kahan_reduce_cpu(const char* op, const at::Tensor& x, at::OptionalInt
                             bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
   check_dtypes(op, x, dtype);
   // torch's own dim handling: IndexError out of range, RuntimeError when
-  // repeated, and dim=() reduces everything.
-  const auto mask = at::native::make_dim_mask(dim, x.dim());
-  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
-  auto out = at::empty(at::native::shape_from_dim_mask(x, mask, keepdim),
-                       x.options().dtype(out_dtype));
+  // repeated, and dim=None or () reduces everything (any number of dims).
+  const bool all = !dim.has_value() || dim->empty();
+  const auto mask = all ? at::native::DimMask() : at::native::make_dim_mask(dim, x.dim());
+  const auto reduces = [&](int64_t d) { return all || mask[d]; };
   // Kept axes in row-major output order; reduced axes by decreasing stride.
   Axes kept, reduced;
+  at::DimVector shape;
   int64_t ostride = 1;
   for (int64_t d = x.dim() - 1; d >= 0; --d) {
-    if (mask[d]) {
+    if (reduces(d)) {
       reduced.push_back({x.size(d), x.stride(d), 0});
+      if (keepdim) shape.insert(shape.begin(), 1);
     } else {
       kept.insert(kept.begin(), {x.size(d), x.stride(d), ostride});
+      shape.insert(shape.begin(), x.size(d));
       ostride *= x.size(d);
     }
   }
+  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
+  auto out = at::empty(shape, x.options().dtype(out_dtype));
   std::reverse(reduced.begin(), reduced.end());
   reduced.erase(std::remove_if(reduced.begin(), reduced.end(),
                                [](const Axis& a) { return a.size == 1; }),
@@ -536,8 +542,11 @@ at::Tensor kahan_reduce_cpu(const char* op, const at::Tensor& x, at::OptionalInt
     for (int64_t o = 0; o < k; ++o) write(o, empty);
     return out;
   }
+  const Axes kept_axes = coalesce(kept), reduced_axes = coalesce(reduced);
+  TORCH_CHECK(kept_axes.size() <= kMaxAxes && reduced_axes.size() <= kMaxAxes, "torchcast.", op,
+              ": x has more than ", kMaxAxes, " dims that cannot be merged; make it contiguous");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce", [&] {
-    reduce_into<scalar_t>(x, coalesce(kept), coalesce(reduced), write);
+    reduce_into<scalar_t>(x, kept_axes, reduced_axes, write);
   });
   return out;
 }
