@@ -34,6 +34,9 @@ TORCH_LIBRARY(torchcast, m) {
   m.def("adam_step_" TORCHCAST_ADAM_ARGS("float lr"));
   m.def("adam_step_.tensor_lr" TORCHCAST_ADAM_ARGS("Tensor lr"));
 #undef TORCHCAST_ADAM_ARGS
+  // kahan_sum / kahan_mean: arguments as torch.sum / torch.mean.
+  m.def("kahan_sum(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
+  m.def("kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
@@ -41,6 +44,8 @@ TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
   m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cpu);
   m.impl("adam_step_", &torchcast::adam_step_cpu);
   m.impl("adam_step_.tensor_lr", &torchcast::adam_step_tensor_lr_cpu);
+  m.impl("kahan_sum", &torchcast::kahan_sum_cpu);
+  m.impl("kahan_mean", &torchcast::kahan_mean_cpu);
 }
 
 #ifdef TORCHCAST_WITH_CUDA

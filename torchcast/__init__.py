@@ -2,6 +2,7 @@
 from . import _ops  # loads the compiled kernels and registers the ops
 from . import nn
 from . import optim
+from .reduce import kahan_mean, kahan_sum
 from .cast import (
     PrecisionLossError, PrecisionWarning, cast_with_stats, get_policy, last_stats, policy,
     safe_to, set_policy,
@@ -10,7 +11,7 @@ from .stats import CastStats
 
 __all__ = [
     "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
-    "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
+    "kahan_mean", "kahan_sum", "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
 ]
 
 # --- torchcast.track / torchcast.audit (issue 5) ---

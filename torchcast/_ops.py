@@ -51,9 +51,14 @@ torch.library.register_autograd(
 _warned_fallback = set()
 
 
-def has_kernels(device):
-    """Whether compiled torchcast kernels exist for this device type."""
-    return device.type == "cpu" or device.type == "meta" or (device.type == "cuda" and WITH_CUDA)
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
+
+
+def has_kernel(op, device):
+    """Whether torchcast::op has a compiled (or, for meta, fake) kernel for this device."""
+    key = _DISPATCH_KEYS.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"torchcast::{op}", key)
 
 
 def _warn_fallback(device):
@@ -67,7 +72,7 @@ def _warn_fallback(device):
 
 def cast_with_stats(x, dtype, out=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
-    if not has_kernels(x.device):
+    if not has_kernel("cast_with_stats", x.device):
         _warn_fallback(x.device)
         if x.requires_grad and torch.is_grad_enabled():
             y, stats = _reference.cast_with_stats(x.detach(), dtype, out)
@@ -112,19 +117,83 @@ def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_
     return None
 
 
-_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-
-
-def has_adam_kernel(device):
-    """Whether a compiled adam_step_ kernel exists for this device type."""
-    key = _DISPATCH_KEYS.get(device.type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "torchcast::adam_step_", key)
-
-
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, *, lr, **kwargs):
     """The compiled step; a tensor lr takes the tensor_lr overload."""
     op = _ops.adam_step_.tensor_lr if isinstance(lr, torch.Tensor) else _ops.adam_step_.default
     op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps,
        lr=lr, **kwargs)
+
+# kahan_sum / kahan_mean: compensated float32 reductions. Kernel order in
+# csrc/reduce_common.h; the fallback in _reduce_reference.py reproduces it.
+
+import math  # noqa: E402
+
+from . import _reduce_reference  # noqa: E402
+
+
+def _kahan_fake(op):
+    def fake(x, dim=None, keepdim=False, *, dtype=None):
+        _reduce_reference.check_dtypes(op, x, dtype)
+        dims = _reduce_reference.reduce_dims(x, dim)
+        return x.new_empty(_reduce_reference.out_shape(x, dims, keepdim), dtype=dtype or x.dtype)
+    return fake
+
+
+def _kahan_setup_context(ctx, inputs, keyword_only_inputs, output):
+    x, dim, keepdim = inputs
+    ctx.shape, ctx.dtype, ctx.keepdim = x.shape, x.dtype, keepdim
+    ctx.dims = _reduce_reference.reduce_dims(x, dim)
+    ctx.count = math.prod(x.shape[d] for d in ctx.dims)
+
+
+def _reduce_grad(grad, shape, dtype, dims, keepdim, count, mean):
+    """The exact gradient of a sum (grad broadcast back to x), over count for a mean."""
+    if mean:
+        grad = grad / count
+    if not keepdim:
+        for d in dims:
+            grad = grad.unsqueeze(d)
+    return grad.expand(shape).to(dtype)
+
+
+def _kahan_backward(mean):
+    def backward(ctx, grad):
+        # One gradient per positional input (x, dim, keepdim).
+        return (_reduce_grad(grad, ctx.shape, ctx.dtype, ctx.dims, ctx.keepdim, ctx.count, mean),
+                None, None)
+    return backward
+
+
+for _name, _mean in (("kahan_sum", False), ("kahan_mean", True)):
+    torch.library.register_fake(f"torchcast::{_name}", _kahan_fake(_name))
+    torch.library.register_autograd(f"torchcast::{_name}", _kahan_backward(_mean),
+                                    setup_context=_kahan_setup_context)
+
+
+def kahan_reduce(x, dim, keepdim, dtype, mean):
+    """kahan_mean (mean=True) or kahan_sum: the op, or the pure-PyTorch
+    fallback where no kernel exists. dim: None or a list of ints."""
+    if not has_kernel("kahan_mean" if mean else "kahan_sum", x.device):
+        _warn_fallback(x.device)
+        y = _reduce_reference.kahan_reduce(x.detach(), dim, keepdim, dtype, mean)
+        if x.requires_grad and torch.is_grad_enabled():
+            return _FallbackReduce.apply(x, y, dim, keepdim, mean)
+        return y
+    op = _ops.kahan_mean if mean else _ops.kahan_sum
+    return op(x, dim, keepdim, dtype=dtype)
+
+
+class _FallbackReduce(torch.autograd.Function):
+    """Attaches the reduction's exact gradient to a y computed without autograd."""
+
+    @staticmethod
+    def forward(ctx, x, y, dim, keepdim, mean):
+        _kahan_setup_context(ctx, (x, dim, keepdim), {}, y)
+        ctx.mean = mean
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_reduce_grad(grad, ctx.shape, ctx.dtype, ctx.dims, ctx.keepdim, ctx.count,
+                             ctx.mean), None, None, None, None)

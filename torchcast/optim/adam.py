@@ -325,7 +325,7 @@ class Adam(Optimizer):
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device))
-        kernel = _ops.has_adam_kernel(device)
+        kernel = _ops.has_kernel("adam_step_", device)
         if group["fused"] and not kernel:
             raise RuntimeError(f"torchcast.optim.{type(self).__name__}: fused=True but "
                                f"torchcast has no compiled Adam kernel for {device.type}; "

@@ -1,0 +1,565 @@
+"""kahan_sum / kahan_mean: accuracy against math.fsum and numpy float64, the
+kernel's order restated in PyTorch (torchcast/_reduce_reference.py) bit for
+bit, thread-count determinism, torch's error types, opcheck, autograd,
+torch.compile and the fallback.
+
+Run with -s to see the accuracy report (condition numbers and errors)."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import torchcast
+from torchcast import _ops
+from torchcast import _reduce_reference as R
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+U32 = 2.0 ** -24  # float32 unit roundoff
+U64 = 2.0 ** -53
+OPS = {"sum": torchcast.kahan_sum, "mean": torchcast.kahan_mean}
+
+
+def bits(t):
+    """The raw bytes of t, so that equality is bit equality (NaNs and -0 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert torch.equal(bits(a), bits(b)), (a, b)
+
+
+def ulp(v, dtype):
+    """Spacing of dtype at |v| (v a float64 array or scalar)."""
+    fi = torch.finfo(dtype)
+    a = np.abs(np.asarray(v, dtype=np.float64))
+    with np.errstate(divide="ignore"):
+        exp = np.floor(np.log2(np.maximum(a, fi.tiny)))
+    return np.exp2(exp) * fi.eps
+
+
+def chain_length(n, elem_size=4):
+    """Longest chain of compensated additions one element goes through in the
+    full-reduction order of csrc/reduce_common.h (each merge is two)."""
+    lanes = R.BLOCK_THREADS * (16 // elem_size)
+    nchunks = max(1, -(-n // R.CHUNK))
+    tree = 2 * int(math.log2(R.BLOCK_THREADS))
+    return (R.CHUNK // lanes + 2 * (16 // elem_size) + 2 * tree
+            + 2 * -(-nchunks // R.BLOCK_THREADS))
+
+
+# ---------------------------------------------------------------------------
+# Accuracy on 2^24 float32 values against math.fsum.
+
+N = 1 << 24
+
+
+def _exact(x):
+    """The exact sum of x as an unevaluated pair hi + lo of float64 (math.fsum
+    is correctly rounded, so lo is the exact residual, rounded once)."""
+    values = x.double().tolist()
+    hi = math.fsum(values)
+    values.append(-hi)
+    return hi, math.fsum(values)
+
+
+def _datasets():
+    g = torch.Generator().manual_seed(1234)
+    half = N // 2
+    # Uniform [0, 1): the sum reaches 2^23, where float32 keeps 1 fractional bit.
+    uniform = torch.rand(N, generator=g)
+    # Normal: positive and negative terms, sum ~ sqrt(N) (condition ~ 3e3).
+    normal = torch.randn(N, generator=g)
+    # Alternating large and small magnitudes: +-2^k (k random in [10, 20]) with
+    # random signs, every other element, and values in [0, 2^-10) between.
+    big = torch.where(torch.rand(half, generator=g) < 0.5, -1.0, 1.0) * torch.exp2(
+        torch.randint(10, 21, (half,), generator=g).float()) * (1 + torch.rand(half, generator=g))
+    small = torch.rand(half, generator=g) * 2.0 ** -10
+    alternating = torch.stack([big, small], 1).reshape(-1)
+
+    def cancelling(spread):
+        # v, then -v in another order, plus a few small terms: a large sum that
+        # cancels exactly, leaving the small ones (magnitudes over 2^spread).
+        quarter = (N - 1024) // 2
+        v = torch.randn(quarter, generator=g) * torch.exp2(
+            torch.randint(-spread, spread + 1, (quarter,), generator=g).float())
+        rest = torch.rand(N - 2 * quarter, generator=g)
+        x = torch.cat([v, -v[torch.randperm(quarter, generator=g)], rest])
+        return x[torch.randperm(N, generator=g)]
+
+    return {"uniform": uniform, "normal": normal, "alternating": alternating,
+            "cancelling, 2^+-8": cancelling(8), "cancelling, 2^+-20": cancelling(20)}
+
+
+@pytest.fixture(scope="module")
+def accuracy_report():
+    rows = []
+    for name, x in _datasets().items():
+        hi, lo = _exact(x)
+        abs_sum = x.abs().double().sum().item()  # only scales the bound
+
+        def error(result):
+            # (result - hi) is exact (Sterbenz) for results within 2x of hi.
+            return abs((float(result) - hi) - lo)
+
+        rows.append(dict(
+            name=name, exact=hi, cond=abs_sum / abs(hi), abs_sum=abs_sum,
+            torch_f32=error(torch.sum(x)),
+            ours_f32=error(torchcast.kahan_sum(x)),
+            ours_f64=error(torchcast.kahan_sum(x, dtype=torch.float64)),
+            torch_f64=error(torch.sum(x, dtype=torch.float64)),
+        ))
+    print("\n2^24 float32 values: |result - exact| / |exact| (math.fsum exact sums)")
+    print(f"{'data':22s} {'cond':>9s} {'torch.sum f32':>14s} {'kahan_sum f32':>14s} "
+          f"{'kahan_sum f64':>14s} {'torch.sum f64':>14s}")
+    for r in rows:
+        s = abs(r["exact"])
+        print(f"{r['name']:22s} {r['cond']:9.3g} {r['torch_f32'] / s:14.3e} "
+              f"{r['ours_f32'] / s:14.3e} {r['ours_f64'] / s:14.3e} {r['torch_f64'] / s:14.3e}")
+    return rows
+
+
+def test_accuracy_against_fsum(accuracy_report):
+    n_chain = chain_length(N)
+    for r in accuracy_report:
+        s = abs(r["exact"])
+        two_ulp = 2 * ulp(s, torch.float32)
+        # Neumaier: error <= u |S| + O(chain u^2) sum|x|; once rounded to
+        # float32 another half ulp. The second term is the condition number's.
+        cond_term = 4 * n_chain * U32 ** 2 * r["abs_sum"]
+        if cond_term <= 0.25 * ulp(s, torch.float32):
+            assert r["ours_f32"] <= two_ulp, r  # well conditioned: 2 ulp
+        assert r["ours_f32"] <= two_ulp + cond_term, r
+        # Before the final rounding (dtype=float64) only the second term is left.
+        assert r["ours_f64"] <= cond_term + 4 * U64 * s, r
+    well = [r for r in accuracy_report if r["name"] in ("uniform", "normal")]
+    assert len(well) == 2 and all(r["ours_f32"] <= 2 * ulp(abs(r["exact"]), torch.float32)
+                                  for r in well)
+
+
+def test_beats_float32_sum_on_adversarial_data(accuracy_report):
+    for r in accuracy_report:
+        if r["name"].startswith(("alternating", "cancelling")):
+            assert r["torch_f32"] > 0, r
+            # Compare before the final float32 rounding, which bounds both.
+            assert r["ours_f64"] * 1000 <= r["torch_f32"], r
+            if r["cond"] < 1e6:
+                assert r["ours_f32"] <= 2 * ulp(abs(r["exact"]), torch.float32), r
+
+
+# ---------------------------------------------------------------------------
+# Random shapes, dims and strides: bit for bit the reference order, close to
+# numpy float64.
+
+@st.composite
+def reductions(draw):
+    nd = draw(st.sampled_from([0, 1, 2, 2, 3, 3, 4]))
+    sizes = st.sampled_from([1, 2, 3, 5, 8, 17, 31, 32, 33, 40, 64, 97, 130, 300])
+    shape = [draw(sizes) for _ in range(nd)]
+    while math.prod(shape) > 6000:  # keep the reference's Python loops short
+        shape[shape.index(max(shape))] //= 3
+    if nd and draw(st.integers(0, 15)) == 0:
+        shape[draw(st.integers(0, nd - 1))] = 0
+    # Layout: contiguous, permuted dims, every other element, an expanded dim.
+    kind = draw(st.sampled_from(["contiguous", "contiguous", "permuted", "strided", "expanded"]))
+    perm = draw(st.permutations(range(nd))) if kind == "permuted" else list(range(nd))
+    steps = [draw(st.sampled_from([1, 2])) for _ in range(nd)] if kind == "strided" else [1] * nd
+    expand = draw(st.integers(0, nd - 1)) if kind == "expanded" and nd else None
+    dtype = draw(st.sampled_from(FLOATS))
+    which = draw(st.integers(0, 9))
+    if which == 0:
+        dim = None
+    elif which == 1:
+        dim = []  # torch: every dim
+    elif nd == 0:
+        dim = [draw(st.sampled_from([0, -1]))]
+    else:
+        # Mostly keep a dim: several outputs exercise the per-dim schemes.
+        nred = draw(st.integers(1, nd - 1)) if nd > 1 and which < 8 else nd
+        dim = draw(st.permutations(range(nd)))[:nred]
+        dim = [d - nd if draw(st.booleans()) else d for d in dim]
+    out_dtype = draw(st.sampled_from((None,) + FLOATS))
+    return dict(shape=shape, perm=perm, steps=steps, expand=expand, dtype=dtype, dim=dim,
+                keepdim=draw(st.booleans()), out_dtype=out_dtype, mean=draw(st.booleans()),
+                seed=draw(st.integers(0, 2 ** 31 - 1)),
+                scale=draw(st.sampled_from([1.0, 1e-30, 1e4])))
+
+
+def make_input(case):
+    g = torch.Generator().manual_seed(case["seed"])
+    shape, perm, steps = case["shape"], case["perm"], case["steps"]
+    base = torch.randn([shape[p] * steps[p] for p in perm], generator=g, dtype=torch.float64)
+    x = (base * case["scale"]).to(case["dtype"]).permute(list(np.argsort(perm)))
+    x = x[tuple(slice(None, None, step) for step in steps)]
+    e = case["expand"]
+    if e is not None and x.shape[e] > 0:
+        x = x.narrow(e, 0, 1).expand(x.shape)
+    assert list(x.shape) == shape
+    return x
+
+
+def numpy_reference(x, dim, keepdim, mean):
+    a = x.double().numpy()
+    axes = None if dim is None or len(dim) == 0 else tuple(d % max(x.dim(), 1) for d in dim)
+    if x.dim() == 0:
+        axes = None
+    fn = np.mean if mean else np.sum
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref = fn(a, axis=axes, keepdims=keepdim)
+        abs_sum = np.sum(np.abs(a), axis=axes, keepdims=keepdim)
+    return np.asarray(ref, dtype=np.float64), np.asarray(abs_sum, dtype=np.float64)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reductions())
+def test_random_layouts(case):
+    x = make_input(case)
+    event(f"scheme {R.plan(x, R.reduce_dims(x, case['dim']))[2]}")
+    event(f"numel {'0' if x.numel() == 0 else '<100' if x.numel() < 100 else '>=100'}")
+    op = "mean" if case["mean"] else "sum"
+    got = OPS[op](x, case["dim"], case["keepdim"], dtype=case["out_dtype"])
+    out_dtype = case["out_dtype"] or x.dtype
+    # The kernel's order, restated in PyTorch: the same bits.
+    assert_bitwise(got, R.kahan_reduce(x, case["dim"], case["keepdim"], case["out_dtype"],
+                                       case["mean"]))
+    # torch's shape and dtype.
+    like = getattr(torch, op)(x.double(), dim=case["dim"], keepdim=case["keepdim"])
+    assert got.shape == like.shape and got.dtype == out_dtype
+    # Close to numpy's float64 result: one rounding to the output dtype plus
+    # the compensated (float32) or plain (float64) accumulation error.
+    ref, abs_sum = numpy_reference(x, case["dim"], case["keepdim"], case["mean"])
+    count = x.numel() / max(ref.size, 1) if x.numel() else 0
+    if x.dtype == torch.float64:
+        acc = 2 * count * U64 * abs_sum
+    else:
+        acc = 4 * max(count, 1) * U32 ** 2 * abs_sum
+    g, ref = np.atleast_1d(got.double().numpy()), np.atleast_1d(ref)
+    tol = np.atleast_1d(ulp(ref, out_dtype) + acc)
+    if out_dtype == torch.float64 and x.dtype != torch.float64:
+        tol = tol + ulp(ref, torch.float32)  # the pair (s, c) carries ~48 bits
+    # Sums beyond the output's range round to inf (float16 in particular).
+    huge = np.abs(ref) > torch.finfo(out_dtype).max / 2
+    close = np.abs(g - ref) <= tol
+    assert np.all(np.where(huge, close | (np.isinf(g) & (np.sign(g) == np.sign(ref))), close)
+                  | np.isnan(ref)), (g, ref)
+    assert np.array_equal(np.isnan(g), np.isnan(ref))
+
+
+@pytest.mark.parametrize("shape,dim,dtype", [
+    ((3, 70000), [1], torch.float32),       # warp lanes, two segments per output
+    ((3, 70000), [1], torch.float16),
+    ((200000,), None, torch.float32),       # full order, four chunks
+    ((200000,), None, torch.bfloat16),
+    ((70000, 4), [0, 1], torch.float64),    # full order over a 2-D tensor
+    ((70000, 3), [0], torch.float32),       # one lane, two segments per output
+    ((5, 333, 80), [0, 2], torch.bfloat16), # warp lanes over non-adjacent dims
+])
+def test_multi_segment_matches_reference(shape, dim, dtype):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 1e3).to(dtype)
+    assert_bitwise(torchcast.kahan_sum(x, dim), R.kahan_reduce(x, dim, False, None, False))
+    assert_bitwise(torchcast.kahan_mean(x, dim, dtype=torch.float64),
+                   R.kahan_reduce(x, dim, False, torch.float64, True))
+
+
+SWEEP = [  # (layout of 630 elements, dim, scheme)
+    (lambda t: t.reshape(6, 105), [1], "warp"),
+    (lambda t: t.reshape(5, 126)[:, 20:], [-1], "warp"),
+    (lambda t: t.reshape(2, 5, 63), [1, 2], "warp"),     # merged into one run of 315
+    (lambda t: t.reshape(9, 70).t(), [0], "warp"),       # transposed: dim 0 is contiguous
+    (lambda t: t.reshape(10, 63), [1], "one"),           # a run shorter than 2 warps
+    (lambda t: t.reshape(9, 70), [0], "one"),
+    (lambda t: t.reshape(15, 42)[:, ::2], [1], "one"),   # strided run
+    (lambda t: t.reshape(6, 105)[:1].expand(4, 105), [0], "one"),  # stride-0 dim
+    (lambda t: t.reshape(5, 7, 18), [0, 2], "one"),
+    (lambda t: t.reshape(630), [0], "full"),
+    (lambda t: t.reshape(9, 70).t(), None, "full"),
+]
+
+
+@pytest.mark.parametrize("layout,dim,scheme", SWEEP)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_scheme_sweep_matches_reference(layout, dim, scheme, dtype):
+    base = torch.randn(630, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    x = layout((base * 100).to(dtype))
+    assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
+    for mean in (False, True):
+        for out_dtype in (None, torch.float16, torch.float64):
+            for keepdim in (False, True):
+                got = OPS["mean" if mean else "sum"](x, dim, keepdim, dtype=out_dtype)
+                assert_bitwise(got, R.kahan_reduce(x, dim, keepdim, out_dtype, mean))
+
+
+def test_schemes_are_the_documented_ones():
+    x = torch.zeros(4, 64)
+    assert R.plan(x, [0, 1])[2] == "full"
+    assert R.plan(x, [1])[2] == "warp"
+    assert R.plan(x, [0])[2] == "one"
+    assert R.plan(torch.zeros(64, 63), [1])[2] == "one"  # run shorter than two warps
+    assert R.plan(torch.zeros(8, 4, 16), [1, 2])[2] == "warp"  # contiguous dims merge
+    assert R.plan(torch.zeros(1, 5), [1])[2] == "full"  # one output
+
+
+# ---------------------------------------------------------------------------
+# Determinism across thread counts.
+
+@pytest.mark.parametrize("shape,dim", [
+    ((1 << 21,), None), ((64, 1 << 15), [1]), ((3, 1 << 18), [1]), ((1 << 15, 64), [0]),
+    ((1 << 18, 3), [0]), ((96, 3, 1024), [0, 2]),
+])
+def test_bitwise_equal_across_thread_counts(shape, dim):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 1e5
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append([torchcast.kahan_sum(x, dim), torchcast.kahan_mean(x, dim),
+                            torchcast.kahan_sum(x.half(), dim),
+                            torchcast.kahan_sum(x.double(), dim)])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert_bitwise(a, b)
+
+
+# ---------------------------------------------------------------------------
+# Edge values.
+
+SPECIAL = [
+    ([1.0, math.inf, 2.0], math.inf), ([-math.inf, 1.0], -math.inf),
+    ([math.inf, -math.inf], math.nan), ([math.nan, 1.0], math.nan),
+    ([3e38, 3e38], math.inf), ([-3e38, -3e38], -math.inf),  # float32 overflow
+    ([-0.0, -0.0], 0.0), ([], 0.0),
+]
+
+
+@pytest.mark.parametrize("values,expected", SPECIAL)
+def test_special_values(values, expected):
+    x = torch.tensor(values, dtype=torch.float32)
+    for xx in (x, x.repeat(1000), x.repeat(1000, 3).t()):
+        want = torch.sum(xx)  # torch's float32 sum agrees on every case
+        for dtype in (None, torch.float64):
+            # float32 accumulation: an overflowing partial sum is inf even
+            # when the result is float64.
+            got = torchcast.kahan_sum(xx, dtype=dtype)
+            if math.isnan(expected):
+                assert torch.isnan(got) and torch.isnan(want)
+            else:
+                assert got.item() == expected == want.item()
+                assert_bitwise(got.float(), want)  # +0, not -0, like torch
+
+
+def test_non_finite_stays_in_its_output():
+    x = torch.ones(4, 100)
+    x[1, 7] = math.inf
+    x[2, 3] = math.nan
+    for got in (torchcast.kahan_sum(x, 1), torchcast.kahan_sum(x.t().contiguous(), 0)):
+        assert got[0].item() == 100 and got[1].item() == math.inf
+        assert math.isnan(got[2].item()) and got[3].item() == 100
+
+
+def test_subnormals_are_summed_exactly():
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.full((10000,), tiny * 2.0 ** -20)  # subnormal
+    assert torchcast.kahan_sum(x).item() == 10000 * tiny * 2.0 ** -20
+    h = torch.full((3000,), 2.0 ** -24, dtype=torch.float16)  # float16 subnormal
+    assert torchcast.kahan_sum(h, dtype=torch.float32).item() == 3000 * 2.0 ** -24
+
+
+def test_empty_and_zero_dim():
+    e = torch.empty(0)
+    assert torchcast.kahan_sum(e).item() == 0 and math.isnan(torchcast.kahan_mean(e).item())
+    z = torch.empty(3, 0)
+    assert torch.equal(torchcast.kahan_sum(z, 1), torch.zeros(3))
+    assert torch.isnan(torchcast.kahan_mean(z, 1)).all()
+    assert torchcast.kahan_sum(z, 0).shape == (0,)
+    assert torchcast.kahan_sum(z, 0, keepdim=True).shape == (1, 0)
+    s = torch.tensor(2.5)
+    for dim in (None, 0, -1, (), [0]):
+        args = () if dim is None else (dim,)
+        got = torchcast.kahan_sum(s, *args)
+        assert got.shape == torch.sum(s, *args).shape and got.item() == 2.5
+        got = torchcast.kahan_mean(s, dim, keepdim=True)
+        assert got.shape == torch.mean(s, dim=dim, keepdim=True).shape and got.item() == 2.5
+
+
+def test_dim_forms_match_torch():
+    many = torch.ones([2] * 3 + [1] * 62)  # torch.sum takes any number of dims with dim=None
+    assert torchcast.kahan_sum(many).item() == 8 and torchcast.kahan_mean(many, ()).item() == 1
+    x = torch.randn(2, 3, 4, 5)
+    for dim in (0, -1, (1, 3), [0, -2], (), [], (-4, 1, 2, 3)):
+        for keepdim in (False, True):
+            got = torchcast.kahan_sum(x, dim, keepdim)
+            want = torch.sum(x.double(), dim, keepdim)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_result_dtype():
+    x = torch.randn(100, 30)
+    for src in FLOATS:
+        xs = x.to(src)
+        assert torchcast.kahan_sum(xs).dtype == src
+        for dst in FLOATS:
+            assert torchcast.kahan_sum(xs, 1, dtype=dst).dtype == dst
+            assert torchcast.kahan_mean(xs, dtype=dst).dtype == dst
+    # Narrow outputs are the compensated sum rounded once (not a float32 sum
+    # rounded again): compare with the exact sum correctly rounded.
+    y = (torch.rand(5000, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+    exact = math.fsum(y.double().tolist())
+    for dst in (torch.bfloat16, torch.float16):
+        got = torchcast.kahan_sum(y, dtype=dst)
+        assert got.item() == torch.tensor(exact, dtype=torch.float64).to(dst).item() or \
+            abs(got.item() - exact) <= 0.5 * ulp(exact, dst)
+
+
+# ---------------------------------------------------------------------------
+# Bad input: the exception torch raises for the same mistake.
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return e
+    raise AssertionError("no exception")
+
+
+def test_errors_match_torch():
+    x = torch.randn(3, 4)
+    mistakes = [
+        # integer / bool / complex x: torch.mean and torch.nansum reject them
+        (lambda f: f(x.long()), lambda: torch.mean(x.long())),
+        (lambda f: f(x.bool()), lambda: torch.mean(x.bool())),
+        (lambda f: f(x.to(torch.complex64)), lambda: torch.nansum(x.to(torch.complex64))),
+        (lambda f: f(x, dtype=torch.int64), lambda: torch.mean(x, dtype=torch.int64)),
+        (lambda f: f(x, 2), lambda: torch.sum(x, 2)),
+        (lambda f: f(x, -3), lambda: torch.sum(x, -3)),
+        (lambda f: f(x, (0, 0)), lambda: torch.sum(x, (0, 0))),
+        (lambda f: f(x, (1, -1)), lambda: torch.sum(x, (1, -1))),
+        (lambda f: f(torch.tensor(1.0), 1), lambda: torch.sum(torch.tensor(1.0), 1)),
+        (lambda f: f(torch.ones([1] * 65), 0), lambda: torch.sum(torch.ones([1] * 65), 0)),
+    ]
+    for ours, theirs in mistakes:
+        expected = type(_raised(theirs))
+        for f in (torchcast.kahan_sum, torchcast.kahan_mean):
+            err = _raised(lambda: ours(f))
+            assert type(err) is expected, (err, expected)
+            assert isinstance(err, (RuntimeError, IndexError))
+    # Same from the fake kernel (meta tensors) and the fallback.
+    m = torch.empty(3, 4, device="meta")
+    assert type(_raised(lambda: torchcast.kahan_sum(m, 2))) is IndexError
+    assert type(_raised(lambda: torchcast.kahan_sum(m, (0, -2)))) is RuntimeError
+    assert type(_raised(lambda: torchcast.kahan_sum(m.long()))) is RuntimeError
+    assert type(_raised(lambda: R.kahan_reduce(x, [5], False, None, False))) is IndexError
+    assert type(_raised(lambda: R.kahan_reduce(x.int(), None, False, None, True))) is RuntimeError
+    msg = str(_raised(lambda: torchcast.kahan_sum(x.long())))
+    assert "torch.int64" in msg and "x.float()" in msg
+
+
+# ---------------------------------------------------------------------------
+# Custom-op machinery.
+
+@pytest.mark.parametrize("op", [torch.ops.torchcast.kahan_sum.default,
+                                torch.ops.torchcast.kahan_mean.default])
+@pytest.mark.parametrize("args,kwargs", [
+    ((torch.randn(4, 5), None, False), {}),
+    ((torch.randn(4, 5), [1], True), {"dtype": torch.float64}),
+    ((torch.randn(6, 40, 3).bfloat16(), [0, -1], False), {}),
+    ((torch.randn(3, 7).half().t(), [0], False), {"dtype": torch.float32}),
+    ((torch.randn(50, 2, dtype=torch.float64), [0], False), {}),
+    ((torch.randn(0, 3), [1], False), {}),  # (an empty mean is NaN, which opcheck rejects)
+])
+def test_opcheck(op, args, kwargs):
+    x = args[0].requires_grad_()
+    torch.library.opcheck(op, (x,) + args[1:], kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sum_gradient_is_exact(dtype):
+    x = torch.randn(6, 7, 8).to(dtype).requires_grad_()
+    for dim, keepdim in ((None, False), (1, False), ((0, 2), True), (-1, True), ((0, 2), False)):
+        x.grad = None
+        y = torchcast.kahan_sum(x, dim, keepdim)
+        g = torch.randn(y.shape).to(dtype)
+        y.backward(g)
+        dims = R.reduce_dims(x, None if dim is None else [dim] if isinstance(dim, int) else dim)
+        kept_shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+        assert x.grad.dtype == dtype
+        assert_bitwise(x.grad, g.reshape(kept_shape).expand(x.shape))  # g, exactly
+        xt = x.detach().requires_grad_()
+        torch.sum(xt, dim=dim, keepdim=keepdim).backward(g)
+        assert_bitwise(x.grad, xt.grad)  # as torch.sum's backward
+
+
+def test_mean_gradient_matches_torch():
+    x = torch.randn(5, 9, requires_grad=True)
+    for dim in (None, 0, (0, 1), -1):
+        args = () if dim is None else (dim,)
+        x.grad = None
+        torchcast.kahan_mean(x, *args).sum().backward()
+        ours = x.grad.clone()
+        x.grad = None
+        torch.mean(x, *args).sum().backward()
+        assert torch.equal(ours, x.grad)
+
+
+def test_gradcheck_float64():
+    # float64 inputs accumulate in float64, so finite differences apply.
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    for f in (lambda t: torchcast.kahan_sum(t, 1), lambda t: torchcast.kahan_mean(t, (0, 1)),
+              lambda t: torchcast.kahan_sum(t, 0, keepdim=True),
+              lambda t: torchcast.kahan_mean(t, -1, dtype=torch.float64)):
+        assert torch.autograd.gradcheck(f, (x,))
+        assert torch.autograd.gradgradcheck(f, (x,))
+
+
+@pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
+def test_gradcheck_float32_input():
+    # A float32 input with a float64 result: the compensated sum is accurate
+    # enough for finite differences at float32 step sizes.
+    x = torch.randn(5, 8, dtype=torch.float32, requires_grad=True)
+    f = lambda t: torchcast.kahan_sum(t, 1, dtype=torch.float64)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x,), eps=1e-2, atol=1e-3, rtol=1e-3)
+
+
+def test_torch_compile_fullgraph():
+    def f(x):
+        return (torchcast.kahan_sum(x, (0, 2)), torchcast.kahan_mean(x, -1, keepdim=True),
+                torchcast.kahan_sum(x, dtype=torch.float64))
+
+    compiled = torch.compile(f, fullgraph=True)
+    for shape in ((4, 5, 40), (3, 7, 33)):
+        x = torch.randn(shape)
+        for a, b in zip(compiled(x), f(x)):
+            assert_bitwise(a, b)
+    x = torch.randn(4, 5, 40, requires_grad=True)
+    torch.compile(lambda t: torchcast.kahan_sum(t, 1).sum(), fullgraph=True)(x).backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_fallback_same_bits_and_warns_once(monkeypatch):
+    monkeypatch.setattr(_ops, "has_kernel", lambda op, device: False)
+    monkeypatch.setattr(_ops, "_warned_fallback", set())
+    x = torch.randn(7, 50, 3, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="pure-PyTorch"):
+        y = torchcast.kahan_sum(x, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = torchcast.kahan_mean(x, (0, 2), keepdim=True, dtype=torch.float16)
+    monkeypatch.undo()
+    assert_bitwise(y, torchcast.kahan_sum(x, 1))
+    assert_bitwise(m, torchcast.kahan_mean(x, (0, 2), keepdim=True, dtype=torch.float16))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_meta_shapes():
+    m = torch.empty(3, 4, 5, device="meta", dtype=torch.bfloat16)
+    assert torchcast.kahan_sum(m, 1).shape == (3, 5)
+    assert torchcast.kahan_mean(m, (0, 2), keepdim=True, dtype=torch.float32).dtype == torch.float32
