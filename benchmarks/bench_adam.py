@@ -340,7 +340,7 @@ def accuracy(steps=2000):
         d = regression_case(n, lr, hidden)
         ratio = d["float32"] / d["float32 compensated"]
         lines.append(f"| {label} | {n} | {lr:g} | {d['float32']:.2e} | "
-                     f"{d['float32 compensated']:.2e} | {ratio:.3g}x closer |")
+                     f"{d['float32 compensated']:.2e} | {ratio:.0f}x closer |")
     cmd = ("Command: `PYTHONPATH=. python benchmarks/bench_adam.py --accuracy`, "
            f"torch {torch.__version__}, torch.set_num_threads({torch.get_num_threads()}).")
     return cmd + "\n\n" + lm + "\n" + "\n".join(lines)

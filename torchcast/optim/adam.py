@@ -134,10 +134,13 @@ class Adam(Optimizer):
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
-        for i, p in enumerate(group["params"]):
-            self._check_param(group, gi, i, p)
+        try:
+            for i, p in enumerate(self.param_groups[gi]["params"]):
+                self._check_param(self.param_groups[gi], gi, i, p)
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # as torch's own checks: a bad group is not added
+            raise
 
     def __setstate__(self, state):
         super().__setstate__(state)
