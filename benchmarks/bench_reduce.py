@@ -109,6 +109,33 @@ def bench_case(label, x, dim, rounds, copy_gbs, make_cases):
     return rows
 
 
+def other_shapes(x, rounds):
+    """kahan_sum against torch.sum on other layouts of the same 2^25 values:
+    short rows, few rows, and the other input dtypes."""
+    grid = x.view(1 << 12, 1 << 13)
+    cases = [
+        ("[2^19, 64], dim=1", x.view(-1, 64), 1), ("[2^20, 32], dim=1", x.view(-1, 32), 1),
+        ("[2^22, 8], dim=1", x.view(-1, 8), 1), ("[8, 2^22], dim=0", x.view(8, -1), 0),
+        ("[2^12, 2^13] bfloat16, dim=1", grid.bfloat16(), 1),
+        ("[2^12, 2^13] bfloat16, dim=0", grid.bfloat16(), 0),
+        ("2^25 float16, full", x.half(), None), ("2^25 float64, full", x.double(), None),
+    ]
+    lines = ["| layout | kahan_sum ms | torch.sum ms | kahan_sum time / torch.sum time |",
+             "|---|---:|---:|---:|"]
+    for name, y, dim in cases:
+        args = () if dim is None else (dim,)
+        ours, theirs = [], []
+        torchcast.kahan_sum(y, *args)
+        torch.sum(y, *args)
+        for _ in range(rounds):
+            ours.append(timed(lambda: torchcast.kahan_sum(y, *args)))
+            theirs.append(timed(lambda: torch.sum(y, *args)))
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        lines.append(f"| {name} | {statistics.median(ours) * 1e3:.1f} | "
+                     f"{statistics.median(theirs) * 1e3:.1f} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -119,6 +146,7 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n = 1 << LOG2_N
+    load_before = os.getloadavg()[0]
     copy_gbs = copy_bandwidth(n, args.rounds)
     # Uniform [0, 1) drawn in float64 and rounded, so that every value has a
     # full 24-bit mantissa (torch.rand's float32 values are multiples of
@@ -138,13 +166,15 @@ def main():
     rows += bench_case(f"bfloat16, full, 2^{LOG2_N}", x.bfloat16(), None, args.rounds, copy_gbs,
                        half_cases)
 
+    shapes = other_shapes(x, args.rounds)
     command = "PYTHONPATH=. python benchmarks/bench_reduce.py " + " ".join(sys.argv[1:])
     lines = [
         f"`{command.strip()}` -- torch {torch.__version__}, "
         f"torch.set_num_threads({torch.get_num_threads()}), input uniform in [0, 1) with full "
         "float32 mantissas (the bfloat16 rows round it), "
         f"{args.rounds} interleaved rounds, copy bandwidth {copy_gbs:.1f} GB/s "
-        "(read + write, `dst.copy_(src)`, 2^25 float32)",
+        "(read + write, `dst.copy_(src)`, 2^25 float32), 1-minute load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs share the cores)",
         "",
         "| case | op | median ms | kahan_sum time / op time | GB/s | % of copy "
         "| max rel. error vs math.fsum |",
@@ -153,7 +183,7 @@ def main():
     for label, name, ms, ratio, gbs, pct, err in rows:
         lines.append(f"| {label} | {name} | {ms:.3f} | {ratio:.2f} | {gbs:.1f} | {pct:.0f}% | "
                      f"{err:.2e} |")
-    table = "\n".join(lines)
+    table = "\n".join(lines) + "\n\nOther layouts (same values):\n\n" + shapes
     print(f"torch.set_num_threads({torch.get_num_threads()})")
     print(table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -70,7 +70,7 @@ def _exact(x):
 def _datasets():
     g = torch.Generator().manual_seed(1234)
     half = N // 2
-    # Uniform [0, 1): the sum reaches 2^23, where float32 keeps 1 fractional bit.
+    # Uniform [0, 1): the sum reaches 2^23, where float32 keeps no fractional bits.
     uniform = torch.rand(N, generator=g)
     # Normal: positive and negative terms, sum ~ sqrt(N) (condition ~ 3e3).
     normal = torch.randn(N, generator=g)
@@ -113,13 +113,17 @@ def accuracy_report():
             ours_f64=error(torchcast.kahan_sum(x, dtype=torch.float64)),
             torch_f64=error(torch.sum(x, dtype=torch.float64)),
         ))
-    print("\n2^24 float32 values: |result - exact| / |exact| (math.fsum exact sums)")
-    print(f"{'data':22s} {'cond':>9s} {'torch.sum f32':>14s} {'kahan_sum f32':>14s} "
-          f"{'kahan_sum f64':>14s} {'torch.sum f64':>14s}")
+    print("\n2^24 float32 values: |result - exact| / |exact| (math.fsum exact sums); "
+          "float32 results also in ulps of the exact sum")
+    print(f"| data | cond | torch.sum f32 | (ulp) | kahan_sum f32 | (ulp) | "
+          f"kahan_sum dtype=f64 | torch.sum dtype=f64 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         s = abs(r["exact"])
-        print(f"{r['name']:22s} {r['cond']:9.3g} {r['torch_f32'] / s:14.3e} "
-              f"{r['ours_f32'] / s:14.3e} {r['ours_f64'] / s:14.3e} {r['torch_f64'] / s:14.3e}")
+        u = ulp(s, torch.float32)
+        print(f"| {r['name']} | {r['cond']:.3g} | {r['torch_f32'] / s:.3e} | "
+              f"{r['torch_f32'] / u:.3g} | {r['ours_f32'] / s:.3e} | {r['ours_f32'] / u:.2f} | "
+              f"{r['ours_f64'] / s:.3e} | {r['torch_f64'] / s:.3e} |")
     return rows
 
 

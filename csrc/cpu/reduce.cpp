@@ -101,33 +101,36 @@ TC_CPU_CLONES void add_rows(acc_of<scalar_t>* __restrict__ s, acc_of<scalar_t>* 
   }
 }
 
-// Rows per pass over a register tile.
+// Rows per pass over the register tiles of a wide block, and how far ahead
+// of such a pass x is prefetched (one float32 chunk).
 constexpr int64_t kRowBlock = 8;
-// How far ahead add_block prefetches contiguous x: one float32 chunk.
 constexpr int64_t kPrefetchBytes = kChunk * 4;
+// The same for a block of a single tile, whose rows follow one another.
+constexpr int64_t kSeqRowBlock = 32;
+constexpr int64_t kSeqPrefetchBytes = 4096;
 
 // rows x n block of elements (lane stride sx, row stride rs) into n
-// accumulators: register tiles of kTile accumulators, kRowBlock rows at a
-// time, then the leftover accumulators. The tiles read a wide row block
-// column by column, which the hardware prefetchers do not follow, so when the
-// rows are contiguous (sx == 1, rs == n) the data kPrefetchBytes further on,
-// up to pf_end (nullptr: none), is requested into L2 at the rate the tiles
-// consume it.
+// accumulators: register tiles of kTile accumulators, a few rows at a time,
+// then the leftover accumulators. When the rows are contiguous (sx == 1,
+// rs == n), the data a fixed distance further on, up to pf_end, is requested
+// into cache at the rate the tiles consume it: a wide block is read column
+// by column, which the hardware prefetchers do not follow, and even a
+// single sequential tile gains from the extra look-ahead.
 template <typename scalar_t, int kTile, bool kUnitStride>
 void add_block(acc_of<scalar_t>* s, acc_of<scalar_t>* c, const storage_of<scalar_t>* x, int64_t sx,
                int64_t n, int64_t rows, int64_t rs, const void* pf_end) {
   const int64_t tiled = n / kTile * kTile;
-  const bool prefetch = pf_end != nullptr && kUnitStride && rs == n && tiled > kTile;
-  // A single tile walks its rows in memory order: no need to block them.
-  const int64_t row_block = n == kTile ? rows : kRowBlock;
+  const bool prefetch = kUnitStride && rs == n && tiled > 0;
+  const bool single = n == kTile;
+  const int64_t row_block = single ? kSeqRowBlock : kRowBlock;
+  const int64_t distance = single ? kSeqPrefetchBytes : kPrefetchBytes;
   for (int64_t r0 = 0; r0 < rows; r0 += row_block) {
     const int64_t nr = std::min(row_block, rows - r0);
     const auto* xr = x + r0 * rs;
-    const char* ahead = reinterpret_cast<const char*>(xr) + kPrefetchBytes;
-    // The row block's cache lines, spread over its tiles (prefetch implies
-    // at least two tiles).
+    const char* ahead = reinterpret_cast<const char*>(xr) + distance;
+    // The row block's cache lines, spread over its tiles.
     const int64_t lines_per_tile =
-        prefetch ? nr * n * static_cast<int64_t>(sizeof(*x)) / 64 / (tiled / kTile) : 0;
+        prefetch ? (nr * n * static_cast<int64_t>(sizeof(*x)) + 63) / 64 / (tiled / kTile) : 0;
     for (int64_t j = 0; j < tiled; j += kTile) {
       for (int64_t q = 0; q < lines_per_tile && ahead < pf_end; ++q, ahead += 64) {
         __builtin_prefetch(ahead, 0, 2);
@@ -312,7 +315,7 @@ TC_CPU_CLONES typename Source<scalar_t>::Partial warp_partial(acc_of<scalar_t>* 
 // Scheme 1: one output.
 template <typename scalar_t>
 void reduce_full(const typename Source<scalar_t>::storage* x, const Axes& reduced,
-                 const Writer& write) {
+                 const void* x_end, const Writer& write) {
   using P = typename Source<scalar_t>::Partial;
   using Acc = typename P::acc_t;
   constexpr int kLanes = lanes_of<scalar_t>();
@@ -320,8 +323,6 @@ void reduce_full(const typename Source<scalar_t>::storage* x, const Axes& reduce
   const int64_t m = numel_of(reduced);
   const int64_t nchunks = (m + kChunk - 1) / kChunk;
   std::vector<P> partials(static_cast<size_t>(nchunks));
-  // Prefetching ahead needs x's sequence to be one contiguous block.
-  const void* pf_end = reduced.size() == 1 && reduced[0].xstride == 1 ? x + m : nullptr;
   at::parallel_for(0, nchunks, 1, [&](int64_t first, int64_t last) {
     alignas(64) Acc s[kLanes];
     alignas(64) Acc c[kLanes];
@@ -330,7 +331,7 @@ void reduce_full(const typename Source<scalar_t>::storage* x, const Axes& reduce
       std::fill(s, s + kLanes, Acc(0));
       std::fill(c, c + kLanes, Acc(0));
       feed_lanes<scalar_t, kLanes>(s, c, x, reduced, chunk * kChunk,
-                                   std::min(m, (chunk + 1) * kChunk), pf_end);
+                                   std::min(m, (chunk + 1) * kChunk), x_end);
       for (int t = 0; t < kBlockThreads; ++t) {
         threads[t] = P();
         for (int v = 0; v < kVec; ++v) {
@@ -361,7 +362,7 @@ void finish_segments(const std::vector<P>& partials, int64_t nseg, const Axes& k
 // Scheme 2: several outputs, each reduced over a contiguous run by 32 lanes.
 template <typename scalar_t>
 void reduce_warp_lanes(const typename Source<scalar_t>::storage* x, const Axes& kept,
-                       const Axes& reduced, const Writer& write) {
+                       const Axes& reduced, const void* x_end, const Writer& write) {
   using P = typename Source<scalar_t>::Partial;
   using Acc = typename P::acc_t;
   const int64_t k = numel_of(kept), m = numel_of(reduced);
@@ -373,7 +374,7 @@ void reduce_warp_lanes(const typename Source<scalar_t>::storage* x, const Axes& 
     std::fill(s, s + kWarp, Acc(0));
     std::fill(c, c + kWarp, Acc(0));
     feed_lanes<scalar_t, kWarp>(s, c, xo, reduced, seg * kChunk, std::min(m, (seg + 1) * kChunk),
-                                nullptr);
+                                x_end);
     return warp_partial<scalar_t>(s, c);
   };
   if (nseg == 1) {
@@ -404,7 +405,7 @@ constexpr int kOneLaneTile = 64;
 
 template <typename scalar_t>
 void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& kept,
-                     const Axes& reduced, const Writer& write) {
+                     const Axes& reduced, const void* x_end, const Writer& write) {
   using P = typename Source<scalar_t>::Partial;
   using Acc = typename P::acc_t;
   const int64_t m = numel_of(reduced);
@@ -450,10 +451,10 @@ void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& ke
                    [&](int64_t xoff, int64_t, int64_t len, int64_t) {
                      if (vec.xstride == 1) {
                        add_block<scalar_t, kOneLaneTile, true>(s.data(), c.data(), xb + xoff, 1,
-                                                               n, len, rs, nullptr);
+                                                               n, len, rs, x_end);
                      } else {
                        add_block<scalar_t, kOneLaneTile, false>(s.data(), c.data(), xb + xoff,
-                                                                vec.xstride, n, len, rs, nullptr);
+                                                                vec.xstride, n, len, rs, x_end);
                      }
                    });
       if (nseg == 1) {
@@ -480,13 +481,17 @@ template <typename scalar_t>
 void reduce_into(const at::Tensor& x, const Axes& kept, const Axes& reduced, const Writer& write) {
   using storage = typename Source<scalar_t>::storage;
   const auto* xp = reinterpret_cast<const storage*>(x.const_data_ptr());
+  // One past x's last element: prefetching stops there.
+  int64_t last = 0;
+  for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+  const void* x_end = xp + last + 1;
   const Axis& run = reduced.back();
   if (numel_of(kept) == 1) {
-    reduce_full<scalar_t>(xp, reduced, write);
+    reduce_full<scalar_t>(xp, reduced, x_end, write);
   } else if (run.xstride == 1 && run.size >= kWarpMinRun) {
-    reduce_warp_lanes<scalar_t>(xp, kept, reduced, write);
+    reduce_warp_lanes<scalar_t>(xp, kept, reduced, x_end, write);
   } else {
-    reduce_one_lane<scalar_t>(xp, kept, reduced, write);
+    reduce_one_lane<scalar_t>(xp, kept, reduced, x_end, write);
   }
 }
 
