@@ -55,10 +55,9 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
 
 
 def has_kernel(op, device):
-    """Whether torchcast::op has a compiled (or, for meta, fake) kernel for this device."""
-    key = _DISPATCH_KEYS.get(device.type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"torchcast::{op}", key)
+    """Whether torchcast::op has a compiled (or, for meta, fake) kernel for this
+    device. A set lookup, so torch.compile traces it without a graph break."""
+    return (op, device.type) in _KERNELS
 
 
 def _warn_fallback(device):
@@ -197,3 +196,11 @@ class _FallbackReduce(torch.autograd.Function):
     def backward(ctx, grad):
         return (_reduce_grad(grad, ctx.shape, ctx.dtype, ctx.dims, ctx.keepdim, ctx.count,
                              ctx.mean), None, None, None, None)
+
+
+# Filled once every op above is registered (the Meta kernels come from register_fake).
+_KERNELS = frozenset(
+    (name, device)
+    for name in ("cast_with_stats", "kahan_sum", "kahan_mean", "adam_step_")
+    for device, key in _DISPATCH_KEYS.items()
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"torchcast::{name}", key))
