@@ -135,6 +135,13 @@ struct F32x16 {
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   }
+  // Of float16 bits h: magnitude outside [lo, lo + span], and magnitude 0.
+  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {
+    const H mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
+    return _mm256_cmpgt_epu16_mask(_mm256_sub_epi16(mag, _mm256_set1_epi16(static_cast<int16_t>(lo))),
+                                   _mm256_set1_epi16(static_cast<int16_t>(span)));
+  }
+  TC_AVX512_INLINE static Mask half_zero(H h) { return _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7fff)); }
 };
 
 struct F32x8 {
@@ -190,6 +197,12 @@ struct F32x8 {
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
+  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {
+    const H mag = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    return _mm_cmpgt_epu16_mask(_mm_sub_epi16(mag, _mm_set1_epi16(static_cast<int16_t>(lo))),
+                                _mm_set1_epi16(static_cast<int16_t>(span)));
+  }
+  TC_AVX512_INLINE static Mask half_zero(H h) { return _mm_testn_epi16_mask(h, _mm_set1_epi16(0x7fff)); }
 };
 
 // neumaier_add where the sum and the term are >= +0 and not NaN.
@@ -221,12 +234,9 @@ struct Narrowed<Float16Target, W> {
   }
   TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, bits); }
   // Elements that may need the rare work: NaN, infinite, or a result below
-  // the smallest normal float16 that is not an exact zero.
+  // the smallest normal float16 (magnitude 0x0400) that is not an exact zero.
   TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
-    const typename W::Mask small =
-        W::template cmp<_CMP_LT_OQ>(W::abs(back), W::set1(Float16Target::min_normal));
-    const typename W::Mask zero = W::template fpclass<kClassZero>(back);
-    return W::template fpclass<kClassNaN | kClassInf>(back) | (small & (ne | ~zero));
+    return W::half_outside(bits, 0x0400, 0x7bff - 0x0400) & (ne | ~W::half_zero(bits));
   }
   TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask zero) const {
     const typename W::Mask small =
@@ -416,7 +426,9 @@ struct Kernel {
   using Mask = typename W::Mask;
   static constexpr int kWidth = W::kWidth;
   static constexpr int kLanes = State::kLanes;
+  static constexpr int kYLine = 64 / sizeof(Storage);  // elements of y per cache line
   static_assert(kLanes % kWidth == 0, "lanes come in whole vectors");
+  static_assert(kWidth * sizeof(From) == 64, "a vector of x is a cache line");
 
   struct Acc {
     uint64_t nan, ne, overflow, underflow, subnormal;
@@ -476,8 +488,8 @@ struct Kernel {
       for (int p = 0; p < 6; ++p) s[p] = W::load(st->sums[p] + l);
       for (int r = 0; r < rows; ++r) {
         const int64_t at = static_cast<int64_t>(r) * kLanes + (l - l0);
-        prefetch(x + at, 0, kLanes * kRowBlock);
-        prefetch(y + at, 1, kLanes * kRowBlock);
+        prefetch(x + at, 0, kLanes * kRowBlock);  // one vector of x is one cache line
+        if (l % kYLine == 0) prefetch(y + at, 1, kLanes * kRowBlock);
         step<false>(x + at, y + at, static_cast<Mask>(~0u), s, acc);
       }
       for (int p = 0; p < 6; ++p) W::store(st->sums[p] + l, s[p]);
