@@ -100,6 +100,17 @@ def inner_calls(timer, fn, target_s):
     return max(1, min(10_000, int(target_s / max(once, 1e-7))))
 
 
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def fmt_time(s):
     us = s * 1e6
     return f"{us:,.0f} µs" if us >= 100 else f"{us:.1f} µs"
@@ -125,7 +136,7 @@ def main():
     else:
         torch.set_num_threads(os.cpu_count() or 1)
         sizes = (1 << 25, 1 << 12)
-        machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        machine = f"{cpu_name()}, {os.cpu_count()} cores"
     threads = torch.get_num_threads()
     timer = Timer(device)
     command = "python benchmarks/bench_cast.py" + (" --device cuda" if device.type == "cuda" else "") + (
@@ -142,12 +153,10 @@ def main():
         # A call per timing at the large size; at the small one enough calls to
         # last ~2 ms, so that the timer and the machine's jitter do not dominate.
         target = 2e-3 if n < (1 << 20) else 0.0
-        src = torch.randn(n, device=device)
-        dst = torch.empty_like(src)
-        copy = {"copy": lambda: dst.copy_(src)}
-        t = run_rounds(timer, copy, args.rounds, {"copy": inner_calls(timer, copy["copy"], target)})["copy"]
-        copy_bw[n] = 2 * n * 4 / statistics.median(t)
-        del src, dst
+        # The streaming bandwidth: a preallocated float32 copy, timed in the
+        # same rounds as each pair so that it sees the same machine.
+        src32 = torch.randn(n, device=device)
+        dst32 = torch.empty_like(src32)
         for src_dtype, dst_dtype in LOSSY_PAIRS:
             x = torch.randn(n, dtype=torch.float64, device=device).to(src_dtype)
             out = torch.empty(n, dtype=dst_dtype, device=device)
@@ -157,6 +166,7 @@ def main():
                 "out_ours": lambda: OP.out(x, dst_dtype, out=out),
                 "out_base": lambda: out.copy_(x),
                 "composite": lambda: composite_stats(x, dst_dtype),
+                "copy32": lambda: dst32.copy_(src32),
             }
             if n < (1 << 20):
                 # The same Python -> dispatcher path as torch.ops.torchcast: the
@@ -166,6 +176,8 @@ def main():
             t = run_rounds(timer, cases, args.rounds, inner, {"composite": args.composite_rounds})
             if "out_floor" in t:
                 floors.append(statistics.median(t["out_floor"]) / statistics.median(t["out_base"]))
+            bandwidth = 2 * n * 4 / statistics.median(t["copy32"])
+            copy_bw.setdefault(n, []).append(bandwidth)
             moved = n * (x.element_size() + out.element_size())
             pair = f"{str(src_dtype)[6:]} → {str(dst_dtype)[6:]}"
             for label, ours, base in (
@@ -178,20 +190,23 @@ def main():
                 gbs = moved / med / 1e9
                 rows.append((label, pair, f"2^{n.bit_length() - 1}", fmt_time(med),
                              fmt_time(statistics.median(t[base])), f"{ratio:.2f}",
-                             f"{gbs:.1f}", f"{100 * gbs * 1e9 / copy_bw[n]:.0f}%"))
+                             f"{gbs:.1f}", f"{100 * gbs * 1e9 / bandwidth:.0f}%"))
                 print(" | ".join(rows[-1]), flush=True)
             del x, out
+        del src32, dst32
 
-    bw = "; ".join(f"2^{n.bit_length() - 1}: {copy_bw[n] / 1e9:.1f} GB/s" for n in sizes)
+    bw = "; ".join(f"2^{n.bit_length() - 1}: {min(copy_bw[n]) / 1e9:.1f}-{max(copy_bw[n]) / 1e9:.1f} GB/s"
+                   for n in sizes)
     lines = [
         f"`{command}` — {machine}, torch {torch.__version__}, "
         f"torch.get_num_threads() = {threads}, {args.rounds} interleaved rounds "
         f"({args.composite_rounds} for the composite), medians; 1-minute load average "
         f"{load:.1f} before, {os.getloadavg()[0]:.1f} after.",
         "",
-        f"Copy bandwidth (preallocated float32 `dst.copy_(src)`, bytes read + written): {bw}.",
+        f"Copy bandwidth (preallocated float32 `dst.copy_(src)`, bytes read + written, timed in "
+        f"the same rounds as each pair): {bw}.",
         "Ratio = median over rounds of ours / baseline (lower is better); GB/s = bytes of x read "
-        "+ y written per second by ours; % copy = that against the copy bandwidth.",
+        "+ y written per second by ours; % copy = that against the copy bandwidth of the same rounds.",
         "",
         "| comparison | pair | size | ours | baseline | ratio | GB/s | % copy |",
         "|---|---|---|---:|---:|---:|---:|---:|",

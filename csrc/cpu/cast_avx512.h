@@ -48,7 +48,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-#define TC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,popcnt")))
+#define TC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,popcnt,prfchw")))
 #define TC_AVX512_INLINE TC_AVX512 inline __attribute__((always_inline))
 
 namespace torchcast {
