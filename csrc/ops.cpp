@@ -57,6 +57,12 @@ TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
 }
 #endif
 
+// Autograd in C++ (see csrc/cast_autograd.cpp): y's derivative is the
+// identity, stats is not differentiable.
+TORCH_LIBRARY_IMPL(torchcast, Autograd, m) {
+  m.impl("cast_with_stats", &torchcast::cast_with_stats_autograd);
+}
+
 // Autocast passes the cast through untouched: re-casting x before the op
 // would hide the very error being measured, and y must keep the dtype asked
 // for. An explicit fallthrough states this instead of relying on the default.

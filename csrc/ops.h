@@ -19,6 +19,9 @@ at::Tensor kahan_sum_cpu(const at::Tensor& x, at::OptionalIntArrayRef dim, bool 
 at::Tensor kahan_mean_cpu(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
                           std::optional<at::ScalarType> dtype);
 
+// Autograd kernel (csrc/cast_autograd.cpp), for every backend.
+std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x, at::ScalarType dtype);
+
 #ifdef TORCHCAST_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_cuda(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor cast_with_stats_out_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out);

@@ -35,17 +35,8 @@ def _cast_with_stats_out_fake(x, dtype, *, out):
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
-def _cast_setup_context(ctx, inputs, output):
-    ctx.src_dtype = inputs[0].dtype
-
-
-def _cast_backward(ctx, grad_y, grad_stats):
-    # The cast's derivative is the identity; the gradient comes back in x's dtype.
-    return grad_y.to(ctx.src_dtype), None
-
-
-torch.library.register_autograd(
-    "torchcast::cast_with_stats", _cast_backward, setup_context=_cast_setup_context)
+# Autograd for torchcast::cast_with_stats is registered in C++ (csrc/ops.cpp):
+# a Python autograd kernel would cost microseconds on every call.
 
 
 _warned_fallback = set()

@@ -6,12 +6,15 @@
 //    vcvtph2ps widens exactly, like float_from_half_bits.
 //  - Round to odd (float_round_to_odd) converts with rounding toward zero and
 //    sets the last bit where that conversion is inexact, which is the value
-//    float_round_to_odd derives from the round-to-nearest result.
+//    float_round_to_odd derives from the round-to-nearest result. float64
+//    sources only need it where rounding to nearest float32 first could
+//    change the result (see Source<double>).
 //  - The relative error divides by |x| and the maximum skips NaN quotients:
 //    wherever the element is measured and x != 0 that is ElementMeasure's
 //    quotient, and elsewhere the absolute error is 0, so ElementMeasure's
 //    quotient is 0 and this one is 0 or NaN (0/0, 0/NaN), neither of which
-//    can raise a maximum that starts at 0.
+//    can raise a maximum that starts at 0. float64 sources divide only where
+//    the quotient could raise the maximum (see Source<double>).
 //  - The hot loop only adds terms >= +0 (never NaN) to sums that started at
 //    +0, so neumaier_add's choice by |sum| >= |term| is max/min.
 //  - Counts come from the float32 view of the result: NaN x <=> NaN y,
@@ -45,7 +48,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-#define TC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,popcnt")))
+#define TC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,popcnt,prfchw")))
 #define TC_AVX512_INLINE TC_AVX512 inline __attribute__((always_inline))
 
 namespace torchcast {
@@ -132,6 +135,13 @@ struct F32x16 {
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   }
+  // Of float16 bits h: magnitude outside [lo, lo + span], and magnitude 0.
+  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {
+    const H mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
+    return _mm256_cmpgt_epu16_mask(_mm256_sub_epi16(mag, _mm256_set1_epi16(static_cast<int16_t>(lo))),
+                                   _mm256_set1_epi16(static_cast<int16_t>(span)));
+  }
+  TC_AVX512_INLINE static Mask half_zero(H h) { return _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7fff)); }
 };
 
 struct F32x8 {
@@ -187,6 +197,12 @@ struct F32x8 {
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
+  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {
+    const H mag = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    return _mm_cmpgt_epu16_mask(_mm_sub_epi16(mag, _mm_set1_epi16(static_cast<int16_t>(lo))),
+                                _mm_set1_epi16(static_cast<int16_t>(span)));
+  }
+  TC_AVX512_INLINE static Mask half_zero(H h) { return _mm_testn_epi16_mask(h, _mm_set1_epi16(0x7fff)); }
 };
 
 // neumaier_add where the sum and the term are >= +0 and not NaN.
@@ -218,12 +234,9 @@ struct Narrowed<Float16Target, W> {
   }
   TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, bits); }
   // Elements that may need the rare work: NaN, infinite, or a result below
-  // the smallest normal float16 that is not an exact zero.
+  // the smallest normal float16 (magnitude 0x0400) that is not an exact zero.
   TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
-    const typename W::Mask small =
-        W::template cmp<_CMP_LT_OQ>(W::abs(back), W::set1(Float16Target::min_normal));
-    const typename W::Mask zero = W::template fpclass<kClassZero>(back);
-    return W::template fpclass<kClassNaN | kClassInf>(back) | (small & (ne | ~zero));
+    return W::half_outside(bits, 0x0400, 0x7bff - 0x0400) & (ne | ~W::half_zero(bits));
   }
   TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask zero) const {
     const typename W::Mask small =
@@ -289,8 +302,11 @@ struct Source<float, Target> {
   V x;
   V t, xx;  // |x - y| and x * x, before masking
 
+  static constexpr bool kRoundsTwice = false;
+
   TC_AVX512_INLINE explicit Source(const float* p) : x(W::loadu(p)) {}
   TC_AVX512_INLINE V f() const { return x; }
+  TC_AVX512_INLINE W::Mask double_rounding() const { return 0; }
   TC_AVX512_INLINE W::Mask measure(V back) {
     t = W::abs(W::sub(x, back));
     xx = W::mul(x, x);
@@ -311,7 +327,7 @@ struct Source<float, Target> {
     }
   };
   // The float32 terms of the three sums; updates the maxima.
-  TC_AVX512_INLINE void terms(Maxima& m, V& abs_err, V& sq_err, V& sq) const {
+  TC_AVX512_INLINE void terms(Maxima& m, W::Mask, bool, V& abs_err, V& sq_err, V& sq) const {
     m.abs = W::max(t, m.abs);
     m.rel = W::max(W::div(t, W::abs(x)), m.rel);
     abs_err = t;
@@ -320,36 +336,57 @@ struct Source<float, Target> {
   }
 };
 
+// float64 sources, 8 elements. Two exact shortcuts over ElementMeasure:
+//  - f is x rounded to nearest float32, not to odd. Rounding f to a narrower
+//    Target gives the correctly rounded result unless f is exactly halfway
+//    between two Target values (Target's midpoints are float32 values, and
+//    rounding to nearest keeps x and f on the same side of each) or lies in
+//    Target's subnormal range; double_rounding() flags those lanes and the
+//    step redoes them with round to odd.
+//  - The relative error is divided out only where it could raise the lane's
+//    maximum M: t >= fl(M |x|) (or where the step took its rare path). In a
+//    vector that is not rare the result is a normal Target value, so |x| >=
+//    2^-127, and M is 0 or at least 2^-53 (a nonzero t is a multiple of x's
+//    ulp): fl(M |x|) is normal, within 2^-53 of M |x|, and t < fl(M |x|)
+//    makes t / |x| round to at most M.
 template <typename Target>
 struct Source<double, Target> {
   using W = F32x8;
   using V = W::V;
-  static constexpr bool kRoundToOdd = !std::is_same<Target, Float32Target>::value;
+  static constexpr bool kRoundsTwice = !std::is_same<Target, Float32Target>::value;
   __m512d x;
   V fv;
-  __mmask8 odd_inexact = 0;  // round to odd: f != x
   __m512d t, xx;
 
-  TC_AVX512_INLINE explicit Source(const double* p) : x(_mm512_loadu_pd(p)) {
-    if constexpr (kRoundToOdd) {
-      const __m256 z = _mm512_cvt_roundpd_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-      odd_inexact = _mm512_cmp_pd_mask(_mm512_cvtps_pd(z), x, _CMP_NEQ_OQ);  // false for NaN
-      fv = W::from_bits(W::mask_ori(W::bits(z), odd_inexact, W::bits(z), W::set1i(1)));
+  TC_AVX512_INLINE explicit Source(const double* p) : x(_mm512_loadu_pd(p)), fv(_mm512_cvtpd_ps(x)) {}
+  TC_AVX512_INLINE V f() const { return fv; }
+  TC_AVX512_INLINE W::Mask double_rounding() const {
+    const __m256i u = W::bits(fv);
+    if constexpr (std::is_same<Target, Float16Target>::value) {
+      const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+      const __mmask8 midpoint =
+          _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0x1fff)), _mm256_set1_epi32(0x1000));
+      const __mmask8 subnormal_range =  // 0 < |f| < 2^-14
+          _mm256_cmplt_epu32_mask(_mm256_sub_epi32(mag, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x387fffff));
+      return midpoint | subnormal_range;
+    } else if constexpr (std::is_same<Target, BFloat16Target>::value) {
+      // bfloat16's subnormals are float32's: the midpoint test covers them.
+      return _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)), _mm256_set1_epi32(0x8000));
     } else {
-      fv = _mm512_cvtpd_ps(x);
+      return 0;
     }
   }
-  TC_AVX512_INLINE V f() const { return fv; }
+  // float_round_to_odd: truncate, and set the last bit where that is inexact.
+  TC_AVX512_INLINE void round_to_odd() {
+    const __m256 z = _mm512_cvt_roundpd_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask8 inexact = _mm512_cmp_pd_mask(_mm512_cvtps_pd(z), x, _CMP_NEQ_OQ);  // false for NaN
+    fv = W::from_bits(W::mask_ori(W::bits(z), inexact, W::bits(z), W::set1i(1)));
+  }
   TC_AVX512_INLINE W::Mask measure(V back) {
     const __m512d b = _mm512_cvtps_pd(back);
     t = _mm512_abs_pd(_mm512_sub_pd(x, b));
     xx = _mm512_mul_pd(x, x);
-    if constexpr (kRoundToOdd) {
-      // y == x needs f == x (y is a float32) and y == f.
-      return odd_inexact | W::cmp<_CMP_NEQ_UQ>(back, fv);
-    } else {
-      return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
-    }
+    return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
   }
   TC_AVX512_INLINE void mask_unmeasured() {
     const __mmask8 measured =
@@ -365,9 +402,14 @@ struct Source<double, Target> {
       _mm512_store_pd(max_rel, _mm512_max_pd(rel, _mm512_load_pd(max_rel)));
     }
   };
-  TC_AVX512_INLINE void terms(Maxima& m, V& abs_err, V& sq_err, V& sq) const {
+  // ne: the lanes with y != x (t > 0 where measured); rare: the step took
+  // its rare path.
+  TC_AVX512_INLINE void terms(Maxima& m, W::Mask ne, bool rare, V& abs_err, V& sq_err, V& sq) const {
     m.abs = _mm512_max_pd(t, m.abs);
-    m.rel = _mm512_max_pd(_mm512_div_pd(t, _mm512_abs_pd(x)), m.rel);
+    const __m512d ax = _mm512_abs_pd(x);
+    if (rare || _mm512_mask_cmp_pd_mask(ne, t, _mm512_mul_pd(m.rel, ax), _CMP_GE_OQ) != 0) {
+      m.rel = _mm512_max_pd(_mm512_div_pd(t, ax), m.rel);
+    }
     abs_err = _mm512_cvtpd_ps(t);
     sq_err = _mm512_cvtpd_ps(_mm512_mul_pd(t, t));
     sq = _mm512_cvtpd_ps(xx);
@@ -384,7 +426,9 @@ struct Kernel {
   using Mask = typename W::Mask;
   static constexpr int kWidth = W::kWidth;
   static constexpr int kLanes = State::kLanes;
+  static constexpr int kYLine = 64 / sizeof(Storage);  // elements of y per cache line
   static_assert(kLanes % kWidth == 0, "lanes come in whole vectors");
+  static_assert(kWidth * sizeof(From) == 64, "a vector of x is a cache line");
 
   struct Acc {
     uint64_t nan, ne, overflow, underflow, subnormal;
@@ -400,9 +444,14 @@ struct Kernel {
   static TC_AVX512_INLINE void step(const From* xp, Storage* yp, Mask lanes, V (&s)[6], Acc& acc) {
     Src src(xp);
     Narrowed<Target, W> y(src.f());
-    const Mask ne = src.measure(y.back);
-    const Mask rare = y.rare(ne);
+    Mask ne = src.measure(y.back);
+    const Mask rare = y.rare(ne) | src.double_rounding();
     if (__builtin_expect(rare != 0, 0)) {
+      if constexpr (Src::kRoundsTwice) {
+        src.round_to_odd();
+        y = Narrowed<Target, W>(src.f());
+        ne = src.measure(y.back);
+      }
       const Mask nan = W::template cmp<_CMP_UNORD_Q>(src.f(), src.f());
       y.fix_nans(nan);
       src.mask_unmeasured();
@@ -415,7 +464,7 @@ struct Kernel {
     y.store(yp);
     acc.ne += count(ne);
     V abs_err, sq_err, sq;
-    src.terms(acc.max, abs_err, sq_err, sq);
+    src.terms(acc.max, ne, rare != 0, abs_err, sq_err, sq);
     if constexpr (kMasked) {
       V n[6] = {s[0], s[1], s[2], s[3], s[4], s[5]};
       add_nonneg<W>(n[kAbsS], n[kAbsC], abs_err);
@@ -439,8 +488,8 @@ struct Kernel {
       for (int p = 0; p < 6; ++p) s[p] = W::load(st->sums[p] + l);
       for (int r = 0; r < rows; ++r) {
         const int64_t at = static_cast<int64_t>(r) * kLanes + (l - l0);
-        prefetch(x + at, 0, kLanes * kRowBlock);
-        prefetch(y + at, 1, kLanes * kRowBlock);
+        prefetch(x + at, 0, kLanes * kRowBlock);  // one vector of x is one cache line
+        if (l % kYLine == 0) prefetch(y + at, 1, kLanes * kRowBlock);
         step<false>(x + at, y + at, static_cast<Mask>(~0u), s, acc);
       }
       for (int p = 0; p < 6; ++p) W::store(st->sums[p] + l, s[p]);
