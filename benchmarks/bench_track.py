@@ -7,12 +7,15 @@ median of the per-round ratios, the ops the dispatcher hands to the mode per
 step and the overhead per op. A bandwidth column does not apply to a model
 step; the per-op overhead says where the time goes instead.
 
+Wall-clock time is the measure; the ratio of process CPU time (all threads)
+is printed too, since on a machine shared with other jobs it moves less.
+
 Configurations: float32 (no casts: the cost of intercepting every op) and
 CPU bfloat16 autocast (autocast's casts, each one measured by the fused op),
 at the "small" size the overhead target is stated for and at a "tiny" size
 where the per-op cost of the mode dominates.
 
-    PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T]
+    PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T] [--append]
 """
 import argparse
 import os
@@ -74,20 +77,24 @@ def measure(size, autocast, policy, rounds):
         step(model, x, autocast)
         tracked_step(model, x, autocast, policy)
     base, ours, ratios, extra = [], [], [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        step(model, x, autocast)
-        t1 = time.perf_counter()
-        tracked_step(model, x, autocast, policy)
-        t2 = time.perf_counter()
-        base.append(t1 - t0)
-        ours.append(t2 - t1)
-        ratios.append((t2 - t1) / (t1 - t0))
-        extra.append((t2 - t1) - (t1 - t0))
+    cpu_ratios = []
+    runs = (lambda: step(model, x, autocast), lambda: tracked_step(model, x, autocast, policy))
+    for i in range(rounds):
+        wall, cpu = [0.0, 0.0], [0.0, 0.0]
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate the order: drift cancels
+            t0, c0 = time.perf_counter(), time.process_time()
+            runs[which]()
+            wall[which], cpu[which] = time.perf_counter() - t0, time.process_time() - c0
+        base.append(wall[0])
+        ours.append(wall[1])
+        ratios.append(wall[1] / wall[0])
+        extra.append(wall[1] - wall[0])
+        cpu_ratios.append(cpu[1] / cpu[0])
     b, o = statistics.median(base), statistics.median(ours)
     return {"size": size, "precision": "bf16 autocast" if autocast else "float32",
             "policy": policy, "ops": counter.n, "casts": casts, "base_ms": b * 1e3,
             "ours_ms": o * 1e3, "ratio": statistics.median(ratios),
+            "cpu_ratio": statistics.median(cpu_ratios),
             "us_per_op": statistics.median(extra) / counter.n * 1e6}
 
 
@@ -97,32 +104,39 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "track.md"))
+    parser.add_argument("--append", action="store_true", help="add the table to --out")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     command = "PYTHONPATH=. python " + " ".join(["benchmarks/bench_track.py"] + sys.argv[1:])
-    configs = [("small", False, "record"), ("small", True, "record"), ("small", True, "warn"),
-               ("tiny", False, "record"), ("tiny", True, "record")]
+    # The float32 "small" step is the slowest by far (no bfloat16 matrix units): last.
+    configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),
+               ("tiny", True, "record"), ("small", False, "record")]
+    load_start = os.getloadavg()[0]
     rows = [measure(size, autocast, policy, opts.rounds) for size, autocast, policy in configs]
+    load = os.getloadavg()[0]
     lines = [
         f"`{command}` — torch {torch.__version__}, torch.set_num_threads({opts.threads}), "
-        f"{opts.rounds} interleaved rounds, medians; model: nn.TransformerEncoder, 4 layers, "
-        "train mode, forward + backward.",
+        f"{opts.rounds} interleaved rounds (order alternating), medians; model: "
+        "nn.TransformerEncoder, 4 layers, train mode, forward + backward; the tracked step "
+        "includes entering and leaving track(). Machine load average (1 min) at start "
+        f"{load_start:.1f}, at end {load:.1f}.",
         "",
         "| size (d_model, heads, ff, batch, seq) | precision | policy | ops/step | casts/step "
-        "| plain step | tracked step | ratio (median) | overhead per op (median) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| plain step | tracked step | ratio (median) | CPU-time ratio (median) "
+        "| overhead per op (median) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size']} {SIZES[r['size']]} | {r['precision']} | {r['policy']} | {r['ops']} "
             f"| {r['casts']} | {r['base_ms']:.1f} ms | {r['ours_ms']:.1f} ms "
-            f"| {r['ratio']:.2f}x | {r['us_per_op']:.1f} us |")
+            f"| {r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['us_per_op']:.1f} us |")
     table = "\n".join(lines)
     print(f"torch.set_num_threads({opts.threads})")
     print(table)
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out, "w") as f:
-        f.write(table + "\n")
+    with open(opts.out, "a" if opts.append else "w") as f:
+        f.write(("\n" if opts.append else "") + table + "\n")
 
 
 if __name__ == "__main__":
