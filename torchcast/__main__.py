@@ -5,7 +5,7 @@ import sys
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: python -m torchcast demo\n"
-             "       python -m torchcast audit SCRIPT.py [ARGS...] [--json FILE] [--policy P]")
+             "       python -m torchcast audit [--json FILE] [--policy P] [--top N] SCRIPT.py [ARGS...]")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
