@@ -55,6 +55,15 @@ void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor&
               " but x is on ", x.device());
 }
 
+at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y) {
+  return at::TensorIteratorConfig()
+      .add_output(y)
+      .add_const_input(x)
+      .check_all_same_dtype(false)
+      .resize_outputs(false)
+      .build();
+}
+
 at::Tensor exact_cast_stats(const at::Tensor& x) {
   auto stats = at::zeros({kNumStats}, x.options().dtype(at::kDouble));
   stats.select(0, kNumel).fill_(static_cast<double>(x.numel()));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/TensorIterator.h>
 
 #include <string>
 
@@ -21,6 +22,10 @@ CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 
 // Checks a preallocated output for cast_with_stats.out.
 void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out);
+
+// y = cast(x) over any strides, in the element order the canonical
+// reduction follows on every backend.
+at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y);
 
 // The stats of a cast that cannot lose anything: numel only, no pass over x.
 at::Tensor exact_cast_stats(const at::Tensor& x);

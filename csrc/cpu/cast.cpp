@@ -178,12 +178,7 @@ struct CastCpu {
                  })
           .stats(x, numel);
     }
-    auto iter = at::TensorIteratorConfig()
-                    .add_output(y)
-                    .add_const_input(x)
-                    .check_all_same_dtype(false)
-                    .resize_outputs(false)
-                    .build();
+    auto iter = cast_iterator(x, y);
     return over_chunks(numel, [&](State* st, int64_t c) {
              int64_t pos = 0;  // position inside the chunk: decides the lane
              auto loop = [&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {

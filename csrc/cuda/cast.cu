@@ -268,12 +268,7 @@ at::Tensor narrowing_cast_cuda(const at::Tensor& x, at::Tensor& y) {
   using Storage = typename Target::storage;
   constexpr int kVec = vec_of<From>();
 
-  auto iter = at::TensorIteratorConfig()
-                  .add_output(y)
-                  .add_const_input(x)
-                  .check_all_same_dtype(false)
-                  .resize_outputs(false)
-                  .build();
+  auto iter = cast_iterator(x, y);
   const int64_t numel = iter.numel();
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
