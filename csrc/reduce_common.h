@@ -45,6 +45,11 @@
 // arithmetic gives for inf, -inf, NaN and overflow.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
+
+#include <optional>
+
 #include "numerics.h"
 
 namespace torchcast {
@@ -98,5 +103,38 @@ template <typename P, typename Acc>
 TC_HD void warp_tree_reduce(Acc* s, Acc* c) {
   warp_tree_level<P, kWarp / 2>(s, c);
 }
+
+// ---------------------------------------------------------------------------
+// The host-side plan both kernels start from (reduce_common.cpp).
+
+// One axis of an index space: its size, and its strides (in elements) in x
+// and in the output.
+struct Axis {
+  int64_t size, xstride, ostride;
+};
+using Axes = c10::SmallVector<Axis, 8>;  // outermost first
+// Dims left after merging (coalesce), enough for any tensor torch makes.
+constexpr size_t kMaxAxes = 64;
+
+int64_t numel_of(const Axes& axes);
+
+enum class Scheme { kFull, kWarpLanes, kOneLane };
+
+// What a kahan_sum / kahan_mean call does: its output (allocated, contiguous,
+// already final when `done`), and otherwise the kept axes (outputs, row-major)
+// and reduced axes (each output's sequence), both coalesced, and the scheme.
+struct ReducePlan {
+  at::Tensor out;
+  bool done = false;
+  bool mean = false;
+  Axes kept, reduced;
+  int64_t k = 0, m = 0;  // outputs, elements per output
+  Scheme scheme = Scheme::kFull;
+};
+
+// Checks the arguments the way torch.sum / torch.mean do (same exception
+// types, dim errors from torch itself) and plans the reduction.
+ReducePlan plan_reduce(const char* op, const at::Tensor& x, at::OptionalIntArrayRef dim,
+                       bool keepdim, std::optional<at::ScalarType> dtype, bool mean);
 
 }  // namespace torchcast

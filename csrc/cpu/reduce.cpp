@@ -5,15 +5,10 @@
 // whose partials are combined in a fixed order after the parallel loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/ReduceOpsUtils.h>
-#include <c10/util/DimVector.h>
-#include <c10/util/SmallVector.h>
 
 #include <algorithm>
-#include <limits>
 #include <vector>
 
-#include "../cast_common.h"
 #include "../ops.h"
 #include "../reduce_common.h"
 #include "simd.h"
@@ -141,37 +136,6 @@ void add_block(acc_of<scalar_t>* s, acc_of<scalar_t>* c, const storage_of<scalar
       add_rows<scalar_t, kUnitStride>(s + tiled, c + tiled, xr + tiled * sx, sx, n - tiled, nr, rs);
     }
   }
-}
-
-// One axis of an index space: its size, and its strides (in elements) in x
-// and in the output.
-struct Axis {
-  int64_t size, xstride, ostride;
-};
-using Axes = c10::SmallVector<Axis, 8>;  // outermost first
-constexpr size_t kMaxAxes = 64;  // after coalesce(); for_each_run's index
-
-// Drops size-1 axes and merges neighbours that are contiguous in x and in
-// the output; neither changes the order of the index space. Never empty.
-Axes coalesce(const Axes& in) {
-  Axes out;
-  for (const Axis& a : in) {
-    if (a.size == 1) continue;
-    if (!out.empty() && out.back().xstride == a.xstride * a.size &&
-        out.back().ostride == a.ostride * a.size) {
-      out.back() = {out.back().size * a.size, a.xstride, a.ostride};
-    } else {
-      out.push_back(a);
-    }
-  }
-  if (out.empty()) out.push_back({1, 1, 1});
-  return out;
-}
-
-int64_t numel_of(const Axes& axes) {
-  int64_t n = 1;
-  for (const Axis& a : axes) n *= a.size;
-  return n;
 }
 
 // Positions [begin, end) of the row-major index space of axes, as maximal
@@ -477,83 +441,31 @@ void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& ke
   }
 }
 
-template <typename scalar_t>
-void reduce_into(const at::Tensor& x, const Axes& kept, const Axes& reduced, const Writer& write) {
-  using storage = typename Source<scalar_t>::storage;
-  const auto* xp = reinterpret_cast<const storage*>(x.const_data_ptr());
-  // One past x's last element: prefetching stops there.
-  int64_t last = 0;
-  for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
-  const void* x_end = xp + last + 1;
-  const Axis& run = reduced.back();
-  if (numel_of(kept) == 1) {
-    reduce_full<scalar_t>(xp, reduced, x_end, write);
-  } else if (run.xstride == 1 && run.size >= kWarpMinRun) {
-    reduce_warp_lanes<scalar_t>(xp, kept, reduced, x_end, write);
-  } else {
-    reduce_one_lane<scalar_t>(xp, kept, reduced, x_end, write);
-  }
-}
-
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
-}
-
-// Same exception type as torch.mean / torch.nansum for the same mistake.
-void check_dtypes(const char* op, const at::Tensor& x, std::optional<at::ScalarType> dtype) {
-  TORCH_CHECK(is_supported_float(x.scalar_type()), "torchcast.", op,
-              ": x must be float32, float16, bfloat16 or float64, got ",
-              dtype_name(x.scalar_type()), "; convert it first, e.g. x.float()");
-  TORCH_CHECK(!dtype || is_supported_float(*dtype), "torchcast.", op,
-              ": dtype must be torch.float32, torch.float16, torch.bfloat16 or torch.float64, "
-              "got ", dtype_name(*dtype), " (x is ", dtype_name(x.scalar_type()), ")");
-}
-
 at::Tensor kahan_reduce_cpu(const char* op, const at::Tensor& x, at::OptionalIntArrayRef dim,
                             bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
-  check_dtypes(op, x, dtype);
-  // torch's own dim handling: IndexError out of range, RuntimeError when
-  // repeated, and dim=None or () reduces everything (any number of dims).
-  const bool all = !dim.has_value() || dim->empty();
-  const auto mask = all ? at::native::DimMask() : at::native::make_dim_mask(dim, x.dim());
-  const auto reduces = [&](int64_t d) { return all || mask[d]; };
-  // Kept axes in row-major output order; reduced axes by decreasing stride.
-  Axes kept, reduced;
-  at::DimVector shape;
-  int64_t ostride = 1;
-  for (int64_t d = x.dim() - 1; d >= 0; --d) {
-    if (reduces(d)) {
-      reduced.push_back({x.size(d), x.stride(d), 0});
-      if (keepdim) shape.insert(shape.begin(), 1);
-    } else {
-      kept.insert(kept.begin(), {x.size(d), x.stride(d), ostride});
-      shape.insert(shape.begin(), x.size(d));
-      ostride *= x.size(d);
-    }
-  }
-  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
-  auto out = at::empty(shape, x.options().dtype(out_dtype));
-  std::reverse(reduced.begin(), reduced.end());
-  reduced.erase(std::remove_if(reduced.begin(), reduced.end(),
-                               [](const Axis& a) { return a.size == 1; }),
-                reduced.end());
-  std::stable_sort(reduced.begin(), reduced.end(),
-                   [](const Axis& a, const Axis& b) { return a.xstride > b.xstride; });
-  const int64_t k = numel_of(kept), m = numel_of(reduced);
-  if (k == 0) return out;
-  const Writer write{out.data_ptr(), out_dtype, static_cast<double>(m), mean};
-  if (m == 0) {  // torch's empty sum and mean: 0 and NaN
-    const double empty = mean ? std::numeric_limits<double>::quiet_NaN() : 0.0;
-    for (int64_t o = 0; o < k; ++o) write(o, empty);
-    return out;
-  }
-  const Axes kept_axes = coalesce(kept), reduced_axes = coalesce(reduced);
-  TORCH_CHECK(kept_axes.size() <= kMaxAxes && reduced_axes.size() <= kMaxAxes, "torchcast.", op,
-              ": x has more than ", kMaxAxes, " dims that cannot be merged; make it contiguous");
+  ReducePlan plan = plan_reduce(op, x, dim, keepdim, dtype, mean);
+  if (plan.done) return plan.out;
+  const Writer write{plan.out.data_ptr(), plan.out.scalar_type(), static_cast<double>(plan.m),
+                     mean};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce", [&] {
-    reduce_into<scalar_t>(x, kept_axes, reduced_axes, write);
+    const auto* xp = reinterpret_cast<const storage_of<scalar_t>*>(x.const_data_ptr());
+    // One past x's last element: prefetching stops there.
+    int64_t last = 0;
+    for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+    const void* x_end = xp + last + 1;
+    switch (plan.scheme) {
+      case Scheme::kFull:
+        reduce_full<scalar_t>(xp, plan.reduced, x_end, write);
+        break;
+      case Scheme::kWarpLanes:
+        reduce_warp_lanes<scalar_t>(xp, plan.kept, plan.reduced, x_end, write);
+        break;
+      case Scheme::kOneLane:
+        reduce_one_lane<scalar_t>(xp, plan.kept, plan.reduced, x_end, write);
+        break;
+    }
   });
-  return out;
+  return plan.out;
 }
 
 }  // namespace
