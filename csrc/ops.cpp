@@ -54,6 +54,8 @@ TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
   m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cuda);
   m.impl("adam_step_", &torchcast::adam_step_cuda);
   m.impl("adam_step_.tensor_lr", &torchcast::adam_step_tensor_lr_cuda);
+  m.impl("kahan_sum", &torchcast::kahan_sum_cuda);
+  m.impl("kahan_mean", &torchcast::kahan_mean_cuda);
 }
 #endif
 

@@ -25,6 +25,11 @@ std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x,
 #ifdef TORCHCAST_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_cuda(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor cast_with_stats_out_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out);
+// csrc/cuda/reduce.cu: bit-identical to the CPU kernels.
+at::Tensor kahan_sum_cuda(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
+                          std::optional<at::ScalarType> dtype);
+at::Tensor kahan_mean_cuda(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
+                           std::optional<at::ScalarType> dtype);
 #endif
 
 // ---------------------------------------------------------------------------

@@ -89,6 +89,39 @@ struct PlainDoubleSum {
   TC_HD double value() const { return s; }
 };
 
+// What x holds (storage), how it widens to the accumulator, and the partial
+// that accumulates it.
+template <typename scalar_t>
+struct ReduceSource;
+
+template <>
+struct ReduceSource<float> {
+  using storage = float;
+  using Partial = CompensatedSum;
+  TC_HD static float widen(float v) { return v; }
+};
+
+template <>
+struct ReduceSource<at::Half> {
+  using storage = uint16_t;
+  using Partial = CompensatedSum;
+  TC_HD static float widen(uint16_t v) { return Float16Target::widen(v); }
+};
+
+template <>
+struct ReduceSource<at::BFloat16> {
+  using storage = uint16_t;
+  using Partial = CompensatedSum;
+  TC_HD static float widen(uint16_t v) { return BFloat16Target::widen(v); }
+};
+
+template <>
+struct ReduceSource<double> {
+  using storage = double;
+  using Partial = PlainDoubleSum;
+  TC_HD static double widen(double v) { return v; }
+};
+
 // Scheme 2's tree over kWarp lanes held as arrays (lane i in s[i], c[i]):
 // the shuffle-down order of one warp, i.e. block_tree_reduce's first stage.
 // The result is in s[0], c[0]. Lanes must come from from_lane(). The levels

@@ -625,3 +625,166 @@ def test_adam_errors_on_cuda():
     ops[2] = [ops[2][0].cpu()]
     with pytest.raises(RuntimeError, match="exp_avg 0 is on cpu but its param is on cuda"):
         adam_op(*ops, **adam_kw("none"))
+
+
+# ---------------------------------------------------------------------------
+# kahan_sum / kahan_mean on CUDA: bit-identical to the CPU op (which
+# test_reduce.py checks against its PyTorch restatement, numpy float64 and
+# math.fsum), for every scheme of csrc/reduce_common.h. NaN results are NaN on
+# both, but their payloads may differ (x86 keeps an operand's, CUDA makes the
+# canonical one), so NaNs are compared by position.
+
+from test_reduce import make_input, reductions  # noqa: E402
+from torchcast import _reduce_reference as R  # noqa: E402
+
+KAHAN = {False: torch.ops.torchcast.kahan_sum, True: torch.ops.torchcast.kahan_mean}
+
+
+def assert_same_reduction(cpu, gpu):
+    assert gpu.is_cuda and gpu.dtype == cpu.dtype and gpu.shape == cpu.shape
+    gpu = gpu.cpu()
+    nan = torch.isnan(cpu)
+    assert torch.equal(nan, torch.isnan(gpu)), (cpu, gpu)
+    keep = ~nan
+    assert torch.equal(bits(cpu[keep]), bits(gpu[keep])), (cpu, gpu)
+
+
+def kahan_both(x, dim=None, keepdim=False, dtype=None, mean=False):
+    """The op on x (CPU) and on the same logical view of x's storage on the GPU."""
+    cuda_base = x._base.cuda() if x._base is not None else None
+    if cuda_base is not None:
+        x_gpu = cuda_base.as_strided(x.shape, x.stride(), x.storage_offset())
+    else:
+        x_gpu = x.cuda()
+    assert x_gpu.stride() == x.stride()
+    return (KAHAN[mean](x, dim, keepdim, dtype=dtype), KAHAN[mean](x_gpu, dim, keepdim, dtype=dtype))
+
+
+def reduce_sample(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-20, 20, shape, generator=g).double())
+    return x.to(dtype)
+
+
+REDUCE_CASES = [  # (shape, view, dim, scheme)
+    ((0,), None, None, None),
+    ((1,), None, None, "full"),
+    ((1000,), None, None, "full"),
+    ((65537,), None, None, "full"),
+    ((3 * 65536 + 5,), None, None, "full"),
+    ((3 * 65536 + 5,), lambda t: t[1:], None, "full"),           # misaligned: scalar loads
+    ((700, 300), lambda t: t.t(), None, "full"),                # transposed: strided offsets
+    ((2 * 65536 + 9, 3), lambda t: t[:, 1], None, "full"),      # strided run
+    ((6, 105), None, [1], "warp"),
+    ((3, 70000), None, [1], "warp"),                             # two segments per output
+    ((5, 333, 80), None, [0, 2], "warp"),                        # non-adjacent dims
+    ((9, 70), lambda t: t.t(), [0], "warp"),
+    ((10, 63), None, [1], "one"),                                # a run shorter than 2 warps
+    ((70000, 3), None, [0], "one"),                              # two segments per output
+    ((4096, 257), None, [0], "one"),
+    ((15, 42), lambda t: t[:, ::2], [1], "one"),
+    ((6, 105), lambda t: t[:1].expand(4, 105), [0], "one"),      # stride-0 dim
+    ((5, 7, 18), lambda t: t.permute(2, 0, 1), [0, 2], "one"),
+    ((4, 0, 3), None, [1], None),                                # empty reduction: 0 / NaN
+]
+
+
+@pytest.mark.parametrize("case", REDUCE_CASES, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=str)
+def test_kahan_matches_cpu(case, dtype):
+    shape, view, dim, scheme = case
+    x = reduce_sample(shape, dtype, seed=len(shape))
+    if view is not None:
+        x = view(x)
+    if scheme is not None:
+        assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
+    for mean in (False, True):
+        for out_dtype in (None, torch.float16, torch.float64):
+            for keepdim in (False, True):
+                assert_same_reduction(*kahan_both(x, dim, keepdim, out_dtype, mean))
+
+
+@settings(max_examples=150, deadline=None)
+@given(reductions())
+def test_kahan_random_layouts_match_cpu(case):
+    x = make_input(case)
+    assert_same_reduction(*kahan_both(x, case["dim"], case["keepdim"], case["out_dtype"],
+                                      case["mean"]))
+
+
+@pytest.mark.parametrize("values", [
+    [1.0, float("inf"), 2.0], [float("-inf"), float("inf")], [float("nan"), 1.0],
+    [3e38, 3e38, -3e38], [1e-45, 1e-45, 2e-45], [-0.0, -0.0],
+])
+def test_kahan_special_values_match_cpu(values):
+    x = torch.tensor(values * 3000, dtype=torch.float32)
+    for shape, dim in (((len(values) * 3000,), None), ((3000, len(values)), [1]),
+                       ((3000, len(values)), [0])):
+        assert_same_reduction(*kahan_both(x.reshape(shape), dim))
+
+
+@pytest.mark.parametrize("n", [(1 << 27) + 3, (1 << 30) + 7])
+def test_kahan_large_matches_cpu(n):
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n % 97)) - 0.25
+    assert_same_reduction(*kahan_both(x))
+    rows = x[: n // 1024 * 1024].view(1024, -1)
+    assert_same_reduction(*kahan_both(rows, [1]))
+
+
+def test_kahan_run_to_run_identical():
+    x = reduce_sample((300, 5000), torch.float32, seed=41).cuda()
+    for dim in (None, [0], [1]):
+        first = torchcast.kahan_sum(x, dim)
+        for _ in range(3):
+            assert torch.equal(bits(first), bits(torchcast.kahan_sum(x, dim)))
+
+
+def test_kahan_uses_cuda_kernel_without_warning():
+    import warnings
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("torchcast::kahan_sum", "CUDA")
+    assert _ops.has_kernel("kahan_sum", torch.device("cuda"))
+    x = torch.randn(1000, device="cuda", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = torchcast.kahan_mean(x)
+    y.backward()
+    assert torch.equal(x.grad, torch.full_like(x, 1 / 1000))
+
+
+def test_kahan_no_sync_and_current_stream():
+    xs = [reduce_sample((3 * 65536 + 5,), torch.float32).cuda(),
+          reduce_sample((3, 70000), torch.bfloat16).cuda(),
+          reduce_sample((70000, 3), torch.float64).cuda()]
+    cases = [(xs[0], None), (xs[0][1:], None), (xs[1], [1]), (xs[2], [0])]
+    ref = [KAHAN[False](x.cpu(), d) for x, d in cases]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+            fresh = [x.clone() for x, _ in cases]  # written late, on the side stream
+            got = [KAHAN[False](f, d) for f, (_, d) in zip(fresh, cases)]
+            got.append(KAHAN[True](fresh[0], None))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side.synchronize()
+    for r, g in zip(ref, got):
+        assert_same_reduction(r, g)
+
+
+def test_kahan_opcheck_and_compile_on_cuda():
+    x = torch.randn(4, 70, device="cuda")
+    for fn in (torch.ops.torchcast.kahan_sum.default, torch.ops.torchcast.kahan_mean.default):
+        torch.library.opcheck(fn, (x, [1], False), {"dtype": torch.float64})
+        torch.library.opcheck(fn, (x.t().requires_grad_(), None, True))
+
+    def f(t):
+        return torchcast.kahan_sum(t * 2, 0) + torchcast.kahan_mean(t)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(bits(f(x)), bits(compiled(x)))

@@ -16,42 +16,10 @@
 namespace torchcast {
 namespace {
 
-// What x holds and how it widens to the accumulator type.
 template <typename scalar_t>
-struct Source;
-
-template <>
-struct Source<float> {
-  using storage = float;
-  using Partial = CompensatedSum;
-  static float widen(float v) { return v; }
-};
-
-template <>
-struct Source<at::Half> {
-  using storage = uint16_t;
-  using Partial = CompensatedSum;
-  static float widen(uint16_t v) { return Float16Target::widen(v); }
-};
-
-template <>
-struct Source<at::BFloat16> {
-  using storage = uint16_t;
-  using Partial = CompensatedSum;
-  static float widen(uint16_t v) { return BFloat16Target::widen(v); }
-};
-
-template <>
-struct Source<double> {
-  using storage = double;
-  using Partial = PlainDoubleSum;
-  static double widen(double v) { return v; }
-};
-
+using acc_of = typename ReduceSource<scalar_t>::Partial::acc_t;
 template <typename scalar_t>
-using acc_of = typename Source<scalar_t>::Partial::acc_t;
-template <typename scalar_t>
-using storage_of = typename Source<scalar_t>::storage;
+using storage_of = typename ReduceSource<scalar_t>::storage;
 
 // The hot loops. Both add element (r, j) = x[r * rs + j * sx] to accumulator
 // j, row after row: lanes of one output (schemes 1 and 2) or the one lane of
@@ -64,7 +32,7 @@ template <typename scalar_t, int kTile, bool kUnitStride>
 TC_CPU_CLONES void add_tile(acc_of<scalar_t>* __restrict__ s, acc_of<scalar_t>* __restrict__ c,
                             const storage_of<scalar_t>* __restrict__ x, int64_t sx, int64_t rows,
                             int64_t rs) {
-  using Src = Source<scalar_t>;
+  using Src = ReduceSource<scalar_t>;
   if (kUnitStride) sx = 1;
   acc_of<scalar_t> ls[kTile], lc[kTile];
   for (int j = 0; j < kTile; ++j) {
@@ -87,7 +55,7 @@ template <typename scalar_t, bool kUnitStride>
 TC_CPU_CLONES void add_rows(acc_of<scalar_t>* __restrict__ s, acc_of<scalar_t>* __restrict__ c,
                             const storage_of<scalar_t>* __restrict__ x, int64_t sx, int64_t n,
                             int64_t rows, int64_t rs) {
-  using Src = Source<scalar_t>;
+  using Src = ReduceSource<scalar_t>;
   if (kUnitStride) sx = 1;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < n; ++j) {
@@ -262,15 +230,15 @@ template <typename scalar_t>
 TC_CPU_CLONES void lane_values(const acc_of<scalar_t>* __restrict__ s,
                                const acc_of<scalar_t>* __restrict__ c, double* __restrict__ v,
                                int64_t n) {
-  using P = typename Source<scalar_t>::Partial;
+  using P = typename ReduceSource<scalar_t>::Partial;
   for (int64_t j = 0; j < n; ++j) v[j] = P::from_lane(s[j], c[j]).value();
 }
 
 // Scheme 2's partial of one segment from its kWarp lanes.
 template <typename scalar_t>
-TC_CPU_CLONES typename Source<scalar_t>::Partial warp_partial(acc_of<scalar_t>* __restrict__ s,
+TC_CPU_CLONES typename ReduceSource<scalar_t>::Partial warp_partial(acc_of<scalar_t>* __restrict__ s,
                                                               acc_of<scalar_t>* __restrict__ c) {
-  using P = typename Source<scalar_t>::Partial;
+  using P = typename ReduceSource<scalar_t>::Partial;
   for (int l = 0; l < kWarp; ++l) c[l] = P::from_lane(s[l], c[l]).c;
   warp_tree_reduce<P>(s, c);
   return P{s[0], c[0]};
@@ -278,9 +246,9 @@ TC_CPU_CLONES typename Source<scalar_t>::Partial warp_partial(acc_of<scalar_t>* 
 
 // Scheme 1: one output.
 template <typename scalar_t>
-void reduce_full(const typename Source<scalar_t>::storage* x, const Axes& reduced,
+void reduce_full(const typename ReduceSource<scalar_t>::storage* x, const Axes& reduced,
                  const void* x_end, const Writer& write) {
-  using P = typename Source<scalar_t>::Partial;
+  using P = typename ReduceSource<scalar_t>::Partial;
   using Acc = typename P::acc_t;
   constexpr int kLanes = lanes_of<scalar_t>();
   constexpr int kVec = vec_of<scalar_t>();
@@ -325,9 +293,9 @@ void finish_segments(const std::vector<P>& partials, int64_t nseg, const Axes& k
 
 // Scheme 2: several outputs, each reduced over a contiguous run by 32 lanes.
 template <typename scalar_t>
-void reduce_warp_lanes(const typename Source<scalar_t>::storage* x, const Axes& kept,
+void reduce_warp_lanes(const typename ReduceSource<scalar_t>::storage* x, const Axes& kept,
                        const Axes& reduced, const void* x_end, const Writer& write) {
-  using P = typename Source<scalar_t>::Partial;
+  using P = typename ReduceSource<scalar_t>::Partial;
   using Acc = typename P::acc_t;
   const int64_t k = numel_of(kept), m = numel_of(reduced);
   const int64_t nseg = (m + kChunk - 1) / kChunk;
@@ -368,9 +336,9 @@ void reduce_warp_lanes(const typename Source<scalar_t>::storage* x, const Axes& 
 constexpr int kOneLaneTile = 64;
 
 template <typename scalar_t>
-void reduce_one_lane(const typename Source<scalar_t>::storage* x, const Axes& kept,
+void reduce_one_lane(const typename ReduceSource<scalar_t>::storage* x, const Axes& kept,
                      const Axes& reduced, const void* x_end, const Writer& write) {
-  using P = typename Source<scalar_t>::Partial;
+  using P = typename ReduceSource<scalar_t>::Partial;
   using Acc = typename P::acc_t;
   const int64_t m = numel_of(reduced);
   const int64_t nseg = (m + kChunk - 1) / kChunk;

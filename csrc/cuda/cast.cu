@@ -23,62 +23,14 @@
 
 #include "../cast_common.h"
 #include "../ops.h"
+#include "block_reduce.cuh"
 
 namespace torchcast {
 namespace {
 
-constexpr int kWarps = kBlockThreads / kWarp;
 // 16-byte loads each thread issues before consuming them: enough bytes in
 // flight per SM to cover DRAM latency at full occupancy.
 constexpr int kLoadBatch = 4;
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Packet {
-  T v[N];
-};
-
-// Shuffles a trivially copyable struct down the warp, 32 bits at a time.
-template <typename T>
-__device__ __forceinline__ T shfl_down(const T& value, int offset) {
-  static_assert(sizeof(T) % sizeof(uint32_t) == 0, "shuffle moves 32-bit words");
-  constexpr int kWords = sizeof(T) / sizeof(uint32_t);
-  uint32_t w[kWords];
-  memcpy(w, &value, sizeof(T));
-#pragma unroll
-  for (int i = 0; i < kWords; ++i) w[i] = __shfl_down_sync(0xffffffffu, w[i], offset);
-  T out;
-  memcpy(&out, w, sizeof(T));
-  return out;
-}
-
-// The block tree of block_tree_reduce (numerics.h): shuffle-down inside each
-// warp (lane i merges lane i + offset), then the warps' results by the same
-// pattern. The result is valid in thread 0. smem holds kWarps values and may
-// be reused once this returns.
-template <typename T>
-__device__ __forceinline__ T block_reduce(T value, T* smem) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) value.merge(shfl_down(value, offset));
-  if (threadIdx.x % kWarp == 0) smem[threadIdx.x / kWarp] = value;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int offset = kWarps / 2; offset > 0; offset /= 2) {
-      for (int i = 0; i < offset; ++i) smem[i].merge(smem[i + offset]);
-    }
-    value = smem[0];
-  }
-  __syncthreads();
-  return value;
-}
-
-// Uninitialized shared storage for kWarps values: __shared__ variables cannot
-// have constructors, and ChunkStats has default member initializers.
-template <typename T>
-__device__ __forceinline__ T* shared_scratch() {
-  __shared__ alignas(T) unsigned char raw[kWarps * sizeof(T)];
-  return reinterpret_cast<T*>(raw);
-}
 
 // One thread's share of a chunk: vec compensated lanes, exact counts, maxima.
 template <typename From, typename Target>
