@@ -685,7 +685,8 @@ REDUCE_CASES = [  # (shape, view, dim, scheme)
     ((4096, 257), None, [0], "one"),
     ((15, 42), lambda t: t[:, ::2], [1], "one"),
     ((6, 105), lambda t: t[:1].expand(4, 105), [0], "one"),      # stride-0 dim
-    ((5, 7, 18), lambda t: t.permute(2, 0, 1), [0, 2], "one"),
+    ((5, 7, 18), None, [0, 2], "one"),                           # two unmergeable dims
+    ((5, 7, 18), lambda t: t.permute(2, 0, 1), [0, 2], "warp"),  # permuted dims that merge
     ((4, 0, 3), None, [1], None),                                # empty reduction: 0 / NaN
 ]
 
