@@ -146,7 +146,8 @@ struct Axis {
   int64_t size, xstride, ostride;
 };
 using Axes = c10::SmallVector<Axis, 8>;  // outermost first
-// Dims left after merging (coalesce), enough for any tensor torch makes.
+// Dims left after merging (coalesce) that the CPU kernel indexes with a
+// fixed array; more is an error that says to make x contiguous.
 constexpr size_t kMaxAxes = 64;
 
 int64_t numel_of(const Axes& axes);
