@@ -158,6 +158,36 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// One lane of segment seg of an output whose sequence starts at x + xbase:
+// positions seg * kChunk + first, + step, ... of the segment, summed in order.
+template <typename scalar_t>
+__device__ __forceinline__ partial_of<scalar_t> segment_lane(
+    const storage_of<scalar_t>* __restrict__ x, int64_t xbase, const DeviceAxes& reduced,
+    int64_t m, int64_t seg, int first, int step) {
+  using Src = ReduceSource<scalar_t>;
+  using P = partial_of<scalar_t>;
+  const int64_t end = min(m, (seg + 1) * kChunk);
+  acc_of<scalar_t> s = 0, c = 0;
+#pragma unroll 4
+  for (int64_t p = seg * kChunk + first; p < end; p += step) {
+    P::add(s, c, Src::widen(x[xbase + reduced.at(p).x]));
+  }
+  return P::from_lane(s, c);
+}
+
+// A segment's partial: the output itself when it is the output's only segment
+// (reduce_common.h), otherwise stored by (output o, segment) for finish_kernel.
+template <typename P>
+__device__ __forceinline__ void settle_segment(const P& sum, int64_t out_offset, int64_t o,
+                                               int64_t seg, int64_t nseg, P* __restrict__ partials,
+                                               const OutputWriter& write) {
+  if (nseg == 1) {
+    write(out_offset, sum.value());
+  } else {
+    partials[o * nseg + seg] = sum;
+  }
+}
+
 // Scheme 2: warp w of the grid handles unit u = (output o, segment seg),
 // lane l the positions seg * kChunk + l + 32 j of o's sequence.
 template <typename scalar_t>
@@ -165,7 +195,6 @@ __global__ void __launch_bounds__(kBlockThreads)
     warp_lanes_kernel(const storage_of<scalar_t>* __restrict__ x, DeviceAxes kept,
                       DeviceAxes reduced, int64_t k, int64_t m, int64_t nseg,
                       partial_of<scalar_t>* __restrict__ partials, OutputWriter write) {
-  using Src = ReduceSource<scalar_t>;
   using P = partial_of<scalar_t>;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -174,20 +203,8 @@ __global__ void __launch_bounds__(kBlockThreads)
        u += stride) {
     const int64_t o = u / nseg, seg = u % nseg;
     const Offsets out = kept.at(o);
-    const int64_t end = min(m, (seg + 1) * kChunk);
-    acc_of<scalar_t> s = 0, c = 0;
-#pragma unroll 4
-    for (int64_t p = seg * kChunk + lane; p < end; p += kWarp) {
-      P::add(s, c, Src::widen(x[out.x + reduced.at(p).x]));
-    }
-    const P sum = warp_reduce(P::from_lane(s, c));
-    if (lane == 0) {
-      if (nseg == 1) {
-        write(out.out, sum.value());
-      } else {
-        partials[u] = sum;
-      }
-    }
+    const P sum = warp_reduce(segment_lane<scalar_t>(x, out.x, reduced, m, seg, lane, kWarp));
+    if (lane == 0) settle_segment(sum, out.out, o, seg, nseg, partials, write);
   }
 }
 
@@ -199,25 +216,13 @@ __global__ void __launch_bounds__(kBlockThreads)
     one_lane_kernel(const storage_of<scalar_t>* __restrict__ x, DeviceAxes outputs,
                     DeviceAxes reduced, int64_t k, int64_t m, int64_t nseg,
                     partial_of<scalar_t>* __restrict__ partials, OutputWriter write) {
-  using Src = ReduceSource<scalar_t>;
-  using P = partial_of<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < k * nseg;
        u += stride) {
     const int64_t o = u % k, seg = u / k;
     const Offsets out = outputs.at(o);
-    const int64_t end = min(m, (seg + 1) * kChunk);
-    acc_of<scalar_t> s = 0, c = 0;
-#pragma unroll 4
-    for (int64_t p = seg * kChunk; p < end; ++p) {
-      P::add(s, c, Src::widen(x[out.x + reduced.at(p).x]));
-    }
-    const P sum = P::from_lane(s, c);
-    if (nseg == 1) {
-      write(out.out, sum.value());
-    } else {
-      partials[o * nseg + seg] = sum;
-    }
+    settle_segment(segment_lane<scalar_t>(x, out.x, reduced, m, seg, 0, 1), out.out, o, seg, nseg,
+                   partials, write);
   }
 }
 
