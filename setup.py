@@ -1,32 +1,44 @@
-"""Builds torchcast._C: a CppExtension, or a CUDAExtension when CUDA is
-available or TORCHCAST_CUDA=1 (then TORCH_CUDA_ARCH_LIST is honoured, default
-sm_80 and sm_90 plus PTX)."""
+"""Builds torchcast._C, the compiled extension (the project's metadata is in
+pyproject.toml).
+
+- default: a CppExtension; a CUDAExtension when CUDA is available or
+  TORCHCAST_CUDA=1 (then TORCH_CUDA_ARCH_LIST is honoured, default sm_80 and
+  sm_90 plus PTX).
+- TORCHCAST_NO_EXTENSION=1: nothing is compiled; every op runs its
+  pure-PyTorch implementation (bit-identical, slower).
+
+Either way torchcast/_build_info.py records what was built and against which
+torch, so that importing the extension under another torch fails with a clear
+message instead of an undefined symbol."""
 import glob
 import os
 
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-
-import torch
+from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+NO_EXTENSION = os.environ.get("TORCHCAST_NO_EXTENSION") == "1"
 
 
-def want_cuda():
+def want_cuda(torch):
     flag = os.environ.get("TORCHCAST_CUDA")
     if flag is not None:
         return flag == "1"
     return torch.cuda.is_available()
 
 
-def extension():
+def extension(torch):
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
     cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # No -ffast-math anywhere: reassociation deletes the Kahan compensation.
     # No FMA contraction either: CPU and CUDA must round every step alike.
     # No -std: torch's BuildExtension adds the one its headers need (c++20
-    # from torch 2.14 on, which refuses c++17).
-    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
-    if not want_cuda():
+    # from torch 2.14 on, which refuses c++17). -g0 drops the debug info that
+    # Python's own CFLAGS ask for: it doubles compile and link time and
+    # changes no instruction.
+    cxx = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
+           "-fno-math-errno"]
+    if not want_cuda(torch):
         return CppExtension(
             "torchcast._C", cpu_sources,
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
@@ -43,13 +55,41 @@ def extension():
         extra_link_args=["-fopenmp"])
 
 
-setup(
-    name="torchcast",
-    version="0.1.0",
-    description="Accountable dtype casts and compensated low-precision arithmetic for PyTorch",
-    packages=find_packages(include=["torchcast", "torchcast.*"]),
-    python_requires=">=3.9",
-    install_requires=["torch>=2.5", "numpy"],
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+def build_info(torch_version, with_extension, with_cuda):
+    return ('"""Written by setup.py: what this install of torchcast was built with."""\n'
+            f"TORCH_VERSION = {torch_version!r}\n"
+            f"WITH_EXTENSION = {with_extension!r}\n"
+            f"WITH_CUDA = {with_cuda!r}\n")
+
+
+def with_build_info(command, info):
+    """A setuptools command that also writes torchcast/_build_info.py: into
+    the source tree for an editable install or an in-place build (whose
+    package files are the source tree's), into the build directory for a
+    wheel."""
+
+    class Command(command):
+        def run(self):
+            super().run()
+            in_tree = getattr(self, "editable_mode", False) or getattr(self, "inplace", False)
+            package = os.path.join(ROOT if in_tree else self.build_lib, "torchcast")
+            os.makedirs(package, exist_ok=True)
+            with open(os.path.join(package, "_build_info.py"), "w") as f:
+                f.write(info)
+
+    return Command
+
+
+if NO_EXTENSION:
+    from setuptools.command.build_py import build_py
+
+    setup(cmdclass={"build_py": with_build_info(build_py, build_info(None, False, False))})
+else:
+    import torch
+    from setuptools.command.build_py import build_py
+    from torch.utils.cpp_extension import BuildExtension
+
+    info = build_info(torch.__version__, True, want_cuda(torch))
+    setup(ext_modules=[extension(torch)],
+          cmdclass={"build_ext": with_build_info(BuildExtension.with_options(use_ninja=True), info),
+                    "build_py": with_build_info(build_py, info)})

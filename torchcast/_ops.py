@@ -1,22 +1,21 @@
 """The one module that touches torch.ops.torchcast: loads the compiled
-kernels and registers fake kernels, autograd and the fallback."""
+kernels (or, in a build without them, the ops defined from Python) and
+registers fake kernels, autograd and the fallback."""
 import warnings
 
 import torch
 
-try:
-    from . import _C
-except ImportError as e:  # pragma: no cover - exercised only on a broken install
-    raise ImportError(
-        "torchcast's compiled extension torchcast._C could not be loaded "
-        f"({e}). Build it from the source tree with "
-        "`pip install --no-build-isolation -e .` (needs torch and ninja; set "
-        "TORCHCAST_CUDA=1 for the CUDA kernels).") from e
+from . import _loader
+
+_C = _loader.load_extension()
+if _C is None:
+    from . import _python_ops  # noqa: F401  (defines the ops, with reference kernels)
 
 from . import _reference
 
 _ops = torch.ops.torchcast
-WITH_CUDA = bool(_C.with_cuda)
+WITH_EXTENSION = _C is not None
+WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
 STAT_FIELDS = _reference.STAT_FIELDS
 
 

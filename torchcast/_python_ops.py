@@ -1,0 +1,96 @@
+"""The torchcast ops defined from Python, for an install built without the
+compiled extension (TORCHCAST_NO_EXTENSION=1).
+
+The schemas (_schemas.py) are those of csrc/ops.cpp. Every kernel is the
+pure-PyTorch reference, which the compiled kernels are tested against bit for
+bit, so results do not change; only speed does, and the first call says so
+once."""
+import os
+import sys
+import warnings
+
+import torch
+
+from . import _reduce_reference, _reference
+from ._schemas import SCHEMAS
+from .optim import _reference as _adam_reference
+
+# The devices the compiled extension has kernels for; elsewhere the Python
+# wrappers in _ops.py call the references directly, as with the extension.
+_DEVICES = ("CPU", "CUDA")
+
+_warned = False
+
+
+def _user_stacklevel():
+    """The stacklevel of the first caller outside torch and torchcast, so that
+    the warning points at the user's line, past the dispatcher's frames."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_once():
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "torchcast was installed without its compiled extension (TORCHCAST_NO_EXTENSION=1): "
+            "every torchcast op runs its pure-PyTorch implementation (same results, several "
+            "times slower). Reinstall with `pip install --no-build-isolation .` for the "
+            "compiled kernels.", RuntimeWarning, stacklevel=_user_stacklevel())
+
+
+def _cast_with_stats(x, dtype):
+    _warn_once()
+    return _reference.cast_with_stats(x, dtype)
+
+
+def _cast_with_stats_out(x, dtype, *, out):
+    _warn_once()
+    return _reference.cast_with_stats(x, dtype, out)[1]
+
+
+def _adam_step_(*lists, **kwargs):
+    _warn_once()
+    _adam_reference.adam_step_(*lists, **kwargs)
+
+
+def _kahan(mean):
+    def kernel(x, dim=None, keepdim=False, *, dtype=None):
+        _warn_once()
+        return _reduce_reference.kahan_reduce(x, dim, keepdim, dtype, mean)
+    return kernel
+
+
+_KERNELS = {
+    "cast_with_stats": _cast_with_stats,
+    "cast_with_stats.out": _cast_with_stats_out,
+    "adam_step_": _adam_step_,
+    "adam_step_.tensor_lr": _adam_step_,
+    "kahan_sum": _kahan(False),
+    "kahan_mean": _kahan(True),
+}
+
+_lib = torch.library.Library("torchcast", "DEF")
+for _name, _schema in SCHEMAS.items():
+    _lib.define(_schema)
+    for _device in _DEVICES:
+        _lib.impl(_name, _KERNELS[_name], _device)
+
+
+def _cast_setup_context(ctx, inputs, output):
+    ctx.src_dtype = inputs[0].dtype
+    ctx.mark_non_differentiable(output[1])
+
+
+def _cast_backward(ctx, grad_y, grad_stats):
+    # The cast's derivative is the identity; the gradient comes back in x's
+    # dtype (as the C++ autograd kernel of the compiled build).
+    return grad_y.to(ctx.src_dtype), None
+
+
+torch.library.register_autograd("torchcast::cast_with_stats", _cast_backward,
+                                setup_context=_cast_setup_context)
