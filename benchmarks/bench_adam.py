@@ -1,6 +1,6 @@
 """torchcast.optim.Adam/AdamW: speed of one step and accuracy of training.
 
-Speed (follows /work/shared/BENCHMARKS.md: one process, baseline and ours
+Speed (follows benchmarks/README.md: one process, baseline and ours
 interleaved, medians and the median of the per-round ratios, GB/s against the
 copy bandwidth measured in the same run): one AdamW step over about 50M
 parameters (48 tensors of 1024 x 1024) and over one 2^12-element tensor,
@@ -26,6 +26,7 @@ import time
 
 import torch
 
+import protocol
 import torchcast
 from torchcast.optim import AdamW
 
@@ -36,14 +37,6 @@ def timed(fn):
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def copy_bandwidth(rounds):
-    src = torch.rand(1 << 26)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(rounds))
-    return 2 * src.numel() * src.element_size() / t / 1e9
 
 
 # ---------------------------------------------------------------------------
@@ -63,7 +56,7 @@ def step_bytes(pbytes, sbytes, cbytes, n):
     return n * (2 * pbytes + pbytes + 4 * sbytes + 2 * cbytes)
 
 
-def speed(rounds, copy_gbs, threads, args):
+def speed(rounds, copy_gbs, threads, args, run):
     rows = []
     for label, shapes in [("48 x 1024^2 (50.3M)", [(1024, 1024)] * 48),
                           ("2^12", [(1 << 12,)])]:
@@ -120,11 +113,9 @@ def speed(rounds, copy_gbs, threads, args):
             gbs = nbytes / t / 1e9
             rows.append((label, name, t * 1e3, r32, r16, gbs, 100 * gbs / copy_gbs))
         del cases, master, model, mparams, g32, g16
-    load = os.getloadavg()[0]
     head = (f"One AdamW step (lr 1e-3, wd 1e-2), torch {torch.__version__}, "
-            f"torch.set_num_threads({threads}), {rounds} interleaved rounds, medians, "
-            f"{os.cpu_count()} cores shared with other work (load average {load:.1f}); "
-            f"copy bandwidth {copy_gbs:.1f} GB/s. Command: `PYTHONPATH=. python "
+            f"torch.set_num_threads({threads}), {rounds} interleaved rounds, medians; "
+            f"{run.summary()} Command: `PYTHONPATH=. python "
             f"benchmarks/bench_adam.py --speed --rounds {rounds} --threads "
             f"{' '.join(map(str, args.threads))}`")
     lines = [head, "",
@@ -355,7 +346,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count()],
                     help="thread counts for the speed tables")
+    protocol.add_arguments(ap)
     args = ap.parse_args()
+    run = protocol.Run(args.force)
     if not (args.speed or args.accuracy):
         args.speed = args.accuracy = True
     os.makedirs(RESULTS, exist_ok=True)
@@ -364,19 +357,19 @@ def main():
         for threads in args.threads:
             torch.set_num_threads(threads)
             print(f"torch.set_num_threads({threads})")
-            tables.append(speed(args.rounds, copy_bandwidth(args.rounds), threads, args))
+            copy_gbs = protocol.copy_bandwidth(args.rounds, 1 << 26)
+            run.copy_bandwidth(copy_gbs, threads)
+            tables.append(speed(args.rounds, copy_gbs, threads, args, run))
             print(tables[-1], flush=True)
-        with open(os.path.join(RESULTS, "adam.md"), "w") as f:
-            f.write("\n\n".join(tables) + "\n")
+        run.write(os.path.join(RESULTS, "adam.md"), "\n\n".join(tables) + "\n")
     if args.accuracy:
         # Small models: one thread runs them fastest on a shared machine, and
         # the figures do not depend on it.
         torch.set_num_threads(1)
         print("accuracy: torch.set_num_threads(1)")
-        table = accuracy()
+        table = accuracy() + "\n\n" + run.summary()
         print(table)
-        with open(os.path.join(RESULTS, "adam_accuracy.md"), "w") as f:
-            f.write(table + "\n")
+        run.write(os.path.join(RESULTS, "adam_accuracy.md"), table + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """cast_with_stats against the plain cast and against the same statistics
-written with composite PyTorch ops, following /work/shared/BENCHMARKS.md:
-one process, baseline and ours interleaved round by round, medians and the
+written with composite PyTorch ops, following benchmarks/README.md: one
+process, baseline and ours interleaved round by round, medians and the
 median of the per-round ratios, GB/s (bytes read + written) against the
 streaming bandwidth of a preallocated same-dtype copy measured in the same run,
 fresh and preallocated outputs, a large and a small size.
@@ -12,13 +12,13 @@ Prints a markdown table and writes it to benchmarks/results/cast_<device>.md.
 """
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
+import protocol
 import torchcast  # noqa: F401  (registers torch.ops.torchcast)
 from torchcast import _ops
 from torchcast._reference import LOSSY_PAIRS
@@ -100,17 +100,6 @@ def inner_calls(timer, fn, target_s):
     return max(1, min(10_000, int(target_s / max(once, 1e-7))))
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def fmt_time(s):
     us = s * 1e6
     return f"{us:,.0f} µs" if us >= 100 else f"{us:.1f} µs"
@@ -122,13 +111,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=11, help="interleaved rounds per measurement")
     ap.add_argument("--composite-rounds", type=int, default=3,
                     help="of those, rounds that also time the (slow) composite PyTorch statistics")
+    protocol.add_arguments(ap)
     args = ap.parse_args()
+    run = protocol.Run(args.force, args.device)
 
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             sys.exit("bench_cast.py --device cuda: no CUDA device is visible")
-        if not _ops.has_kernels(device):
+        if not _ops.has_kernel("cast_with_stats", device):
             sys.exit("bench_cast.py --device cuda: torchcast was built without its CUDA kernels "
                      "(build with TORCHCAST_CUDA=1)")
         sizes = (1 << 28, 1 << 12)
@@ -136,7 +127,7 @@ def main():
     else:
         torch.set_num_threads(os.cpu_count() or 1)
         sizes = (1 << 25, 1 << 12)
-        machine = f"{cpu_name()}, {os.cpu_count()} cores"
+        machine = f"{protocol.cpu_name()}, {os.cpu_count()} cores"
     threads = torch.get_num_threads()
     timer = Timer(device)
     command = "python benchmarks/bench_cast.py" + (" --device cuda" if device.type == "cuda" else "") + (
@@ -148,7 +139,6 @@ def main():
     rows = []
     floors = []
     copy_bw = {}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     for n in sizes:
         # A call per timing at the large size; at the small one enough calls to
         # last ~2 ms, so that the timer and the machine's jitter do not dominate.
@@ -178,6 +168,8 @@ def main():
                 floors.append(statistics.median(t["out_floor"]) / statistics.median(t["out_base"]))
             bandwidth = 2 * n * 4 / statistics.median(t["copy32"])
             copy_bw.setdefault(n, []).append(bandwidth)
+            if n >= (1 << 25):
+                run.copy_bandwidth(bandwidth / 1e9, threads)
             moved = n * (x.element_size() + out.element_size())
             pair = f"{str(src_dtype)[6:]} → {str(dst_dtype)[6:]}"
             for label, ours, base in (
@@ -200,8 +192,7 @@ def main():
     lines = [
         f"`{command}` — {machine}, torch {torch.__version__}, "
         f"torch.get_num_threads() = {threads}, {args.rounds} interleaved rounds "
-        f"({args.composite_rounds} for the composite), medians; 1-minute load average "
-        f"{load:.1f} before, {os.getloadavg()[0]:.1f} after.",
+        f"({args.composite_rounds} for the composite), medians; {run.summary()}",
         "",
         f"Copy bandwidth (preallocated float32 `dst.copy_(src)`, bytes read + written, timed in "
         f"the same rounds as each pair): {bw}.",
@@ -219,11 +210,8 @@ def main():
     table = "\n".join(lines) + "\n"
     print()
     print(table)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", f"cast_{device.type}.md")
-    with open(path, "w") as f:
-        f.write(f"# cast_with_stats benchmark ({device.type})\n\n{table}")
-    print(f"written to {os.path.relpath(path)}")
+    run.write(os.path.join(HERE, "results", f"cast_{device.type}.md"),
+              f"# cast_with_stats benchmark ({device.type})\n\n{table}")
 
 
 if __name__ == "__main__":

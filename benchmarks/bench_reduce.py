@@ -1,5 +1,5 @@
 """kahan_sum against torch's float32 and float64 sums (follows
-/work/shared/BENCHMARKS.md: one process, interleaved rounds, medians).
+benchmarks/README.md: one process, interleaved rounds, medians).
 
 For each case: the median time of torchcast.kahan_sum and of each baseline,
 the median of the per-round time ratios (ours / baseline), GB/s (bytes read
@@ -18,6 +18,7 @@ import time
 
 import torch
 
+import protocol
 import torchcast
 
 LOG2_N = 25
@@ -48,14 +49,6 @@ def rel_error(result, exact):
     exact (Sterbenz) for any result within a factor 2 of the sum."""
     got = result.double().reshape(-1).tolist()
     return max(abs((g - hi) - lo) / abs(hi) for g, (hi, lo) in zip(got, exact))
-
-
-def copy_bandwidth(n, rounds):
-    src = torch.rand(n)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(rounds))
-    return 2 * src.numel() * src.element_size() / t / 1e9
 
 
 def float32_cases(x, args):
@@ -142,12 +135,14 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "reduce.md"))
+    protocol.add_arguments(parser)
     args = parser.parse_args()
+    run = protocol.Run(args.force)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n = 1 << LOG2_N
-    load_before = os.getloadavg()[0]
-    copy_gbs = copy_bandwidth(n, args.rounds)
+    copy_gbs = protocol.copy_bandwidth(args.rounds, n)
+    run.copy_bandwidth(copy_gbs, torch.get_num_threads())
     # Uniform [0, 1) drawn in float64 and rounded, so that every value has a
     # full 24-bit mantissa (torch.rand's float32 values are multiples of
     # 2^-24, whose sum float64 holds exactly). The sum grows to 2^24, where
@@ -173,8 +168,7 @@ def main():
         f"torch.set_num_threads({torch.get_num_threads()}), input uniform in [0, 1) with full "
         "float32 mantissas (the bfloat16 rows round it), "
         f"{args.rounds} interleaved rounds, copy bandwidth {copy_gbs:.1f} GB/s "
-        "(read + write, `dst.copy_(src)`, 2^25 float32), 1-minute load average "
-        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other jobs share the cores)",
+        f"(read + write, `dst.copy_(src)`, 2^25 float32); {run.summary()}",
         "",
         "| case | op | median ms | kahan_sum time / op time | GB/s | % of copy "
         "| max rel. error vs math.fsum |",
@@ -186,9 +180,7 @@ def main():
     table = "\n".join(lines) + "\n\nOther layouts (same values):\n\n" + shapes
     print(f"torch.set_num_threads({torch.get_num_threads()})")
     print(table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(table + "\n")
+    run.write(args.out, table + "\n")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 One forward and backward of a 4-layer nn.TransformerEncoder (train mode,
 dropout on), without and with tracking, interleaved round by round in one
-process (shared/BENCHMARKS.md). Reported: the median step time of each, the
+process (benchmarks/README.md). Reported: the median step time of each, the
 median of the per-round ratios, the ops the dispatcher hands to the mode per
 step and the overhead per op. A bandwidth column does not apply to a model
 step; the per-op overhead says where the time goes instead.
@@ -26,6 +26,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import protocol
 import torchcast
 
 SIZES = {
@@ -105,21 +106,21 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "track.md"))
     parser.add_argument("--append", action="store_true", help="add the table to --out")
+    protocol.add_arguments(parser)
     opts = parser.parse_args()
+    run = protocol.Run(opts.force)
     torch.set_num_threads(opts.threads)
+    run.copy_bandwidth(protocol.copy_bandwidth(opts.rounds), opts.threads)
     command = "PYTHONPATH=. python " + " ".join(["benchmarks/bench_track.py"] + sys.argv[1:])
     # The float32 "small" step is the slowest by far (no bfloat16 matrix units): last.
     configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),
                ("tiny", True, "record"), ("small", False, "record")]
-    load_start = os.getloadavg()[0]
     rows = [measure(size, autocast, policy, opts.rounds) for size, autocast, policy in configs]
-    load = os.getloadavg()[0]
     lines = [
         f"`{command}` — torch {torch.__version__}, torch.set_num_threads({opts.threads}), "
         f"{opts.rounds} interleaved rounds (order alternating), medians; model: "
         "nn.TransformerEncoder, 4 layers, train mode, forward + backward; the tracked step "
-        "includes entering and leaving track(). Machine load average (1 min) at start "
-        f"{load_start:.1f}, at end {load:.1f}.",
+        f"includes entering and leaving track(). {run.summary()}",
         "",
         "| size (d_model, heads, ff, batch, seq) | precision | policy | ops/step | casts/step "
         "| plain step | tracked step | ratio (median) | CPU-time ratio (median) "
@@ -134,9 +135,11 @@ def main():
     table = "\n".join(lines)
     print(f"torch.set_num_threads({opts.threads})")
     print(table)
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out, "a" if opts.append else "w") as f:
-        f.write(("\n" if opts.append else "") + table + "\n")
+    previous = ""
+    if opts.append and os.path.exists(opts.out):
+        with open(opts.out) as f:
+            previous = f.read() + "\n"
+    run.write(opts.out, previous + table + "\n")
 
 
 if __name__ == "__main__":

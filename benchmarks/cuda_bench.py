@@ -1,6 +1,6 @@
 """cast_with_stats on CUDA against torch's own cast and the device's copy bandwidth.
 
-Follows shared/BENCHMARKS.md: one process, ours and the baseline interleaved
+Follows benchmarks/README.md: one process, ours and the baseline interleaved
 in every round after a warm-up, CUDA events, medians of each and the median of
 the per-round ratios; GB/s counts bytes read plus bytes written, and is set
 against the device-to-device copy bandwidth measured in the same run.
@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+import protocol
 import torchcast
 import torchcast.optim
 from torchcast import _reference
@@ -206,20 +207,20 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--adam-params", type=int, default=50_000_000)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cuda.md"))
+    protocol.add_arguments(p)
     args = p.parse_args(argv)
+    run = protocol.Run(args.force, "cuda")
     if not torch.cuda.is_available():
         print("cuda_bench: no CUDA device here; nothing measured")
         return 0
     torch.set_num_threads(min(os.cpu_count() or 1, 16))
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:])
     copy_gbs = copy_bandwidth((1 << args.log2_size) * 4, args.rounds, args.warmup)
+    run.copy_bandwidth(copy_gbs, torch.get_num_threads())
     rows = rows_for(args, copy_gbs) + reduce_rows(args, copy_gbs) + adam_rows(args, copy_gbs)
-    table = markdown(rows, copy_gbs, command)
+    table = markdown(rows, copy_gbs, command) + "\n" + run.summary() + "\n"
     print(table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(table)
-    print(f"written to {args.out}")
+    run.write(args.out, table)
     return 0
 
 

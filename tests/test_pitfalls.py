@@ -1,7 +1,8 @@
-"""The claims of the two seed articles (shared/seeds/*.txt), tested against
-the installed PyTorch one by one; docs/pitfalls.md names each test. A claim
-that no test can check (a survey figure, a paper, an old version) is marked
-unverifiable in the document and has no test here."""
+"""The claims of the two articles the project grew from (named in
+docs/pitfalls.md), tested against the installed PyTorch one by one;
+docs/pitfalls.md names each test. A claim that no test can check (a survey
+figure, a paper, an old version) is marked unverifiable in the document and
+has no test here."""
 import io
 import math
 import warnings
