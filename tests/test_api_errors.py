@@ -143,8 +143,10 @@ def test_integer_cast_keeps_graph_cut_violation_and_is_tracked():
         torchcast.safe_to(x, torch.int64, policy="raise")
     with torchcast.track() as report:
         torchcast.safe_to(torch.tensor([1.5, 300.0]), torch.int8, policy="record", name="ids")
-    (record,) = report.records
-    assert record.name == "ids" and record.stats.overflow == 1 and record.dtype == torch.int8
+        torchcast.safe_to(torch.tensor([math.nan]), torch.bool, policy="record", name="mask")
+    ids, mask = sorted(report.records, key=lambda r: r.name)
+    assert ids.name == "ids" and ids.stats.overflow == 1 and ids.dtype == torch.int8
+    assert ids.violations() == ["1 overflow"] and mask.violations() == ["1 nan"]
 
 
 def test_integer_cast_empty_and_compiled():

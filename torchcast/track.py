@@ -528,6 +528,8 @@ class Record:
         if self.measured:
             found += [f"{getattr(s, f)} {f}" for f in ("overflow", "underflow", "subnormal")
                       if getattr(s, f)]
+            if s.nan and _cast._is_integer(self.dtype):  # safe_to to an integer/bool dtype
+                found.append(f"{s.nan} nan")
             if rtol is not None and s.max_rel_err > rtol:
                 found.append(f"max rel err > rtol={rtol:g}")
             if atol is not None and s.max_abs_err > atol:
