@@ -4,31 +4,84 @@ kahan_sum and kahan_mean take the arguments of torch.sum and torch.mean and
 accumulate in float32 with Neumaier compensation (float64 inputs in plain
 float64), in a fixed order that makes the result bit-identical whatever the
 thread count (csrc/reduce_common.h)."""
+import operator
+from typing import List, Optional, Sequence, Union
+
+import torch
+
 from . import _ops
+from ._inputs import check_input
+
+_SIGNATURE = ("(Tensor x, tuple of ints dim = None, bool keepdim = False, *, "
+              "torch.dtype dtype = None)")
 
 
-def _dim_list(dim):
+def _invalid(fn, arg, value, why):
+    # torch.sum's wording for the same mistake, then what would be accepted.
+    return TypeError(
+        f"{fn}() received an invalid combination of arguments - got (Tensor, "
+        f"{arg}={type(value).__name__}), but expected one of:\n * {_SIGNATURE}\n"
+        f"({arg} must be {why}, got {value!r})")
+
+
+def _dim_index(fn, dim, d):
+    if isinstance(d, (float, complex, str)) or d is None:
+        raise _invalid(fn, "dim", dim, "an int, a tuple of ints, or None")
+    try:
+        return operator.index(d)  # ints (a bool inside a tuple too, as torch), numpy ints
+    except TypeError:
+        if isinstance(d, torch.Tensor) and d.numel() == 1 and not d.is_floating_point():
+            return int(d)  # torch.sum takes a one-element integer tensor as a dim
+        raise _invalid(fn, "dim", dim, "an int, a tuple of ints, or None") from None
+
+
+def _check_args(fn, x, dim, keepdim, dtype) -> Optional[List[int]]:
+    """Validates the arguments as torch.sum does; returns dim as a list."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"torchcast.{fn}: x must be a Tensor, got {type(x).__name__}")
+    check_input(x, f"torchcast.{fn}")
+    if not isinstance(keepdim, bool):
+        raise _invalid(fn, "keepdim", keepdim, "a bool")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise _invalid(fn, "dtype", dtype, "a torch.dtype or None")
     if dim is None:
         return None
+    if isinstance(dim, bool):  # torch.sum rejects a bare bool (but not a bool in a tuple)
+        raise _invalid(fn, "dim", dim, "an int, a tuple of ints, or None")
     if isinstance(dim, (list, tuple)):
-        return list(dim)
-    return [dim]
+        return [_dim_index(fn, dim, d) for d in dim]
+    return [_dim_index(fn, dim, dim)]
 
 
-def kahan_sum(x, dim=None, keepdim=False, *, dtype=None):
-    """Sum of x over dim (an int, a tuple of ints, or None for all dims), like
-    torch.sum.
+def kahan_sum(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
+              keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Sum of x over dim, like torch.sum.
 
     x may be float32, float16 or bfloat16 (accumulated in float32 with
     Neumaier compensation) or float64 (accumulated in float64). The result has
     x's dtype unless dtype (a floating dtype) says otherwise; it is the
     compensated sum rounded once to that dtype, so dtype=torch.float64 keeps
     the extra digits the compensation carries. Differentiable: the gradient
-    is grad broadcast back to x's shape, exactly."""
-    return _ops.kahan_reduce(x, _dim_list(dim), keepdim, dtype, mean=False)
+    is grad broadcast back to x's shape, exactly.
+
+    Args:
+        x: a dense strided floating tensor (TypeError for sparse, quantized,
+            nested, mkldnn tensors and __torch_dispatch__ subclasses).
+        dim: an int, a tuple of ints, or None (or ()) for all dims; errors as
+            torch.sum raises them.
+        keepdim: keep the reduced dims with size 1.
+        dtype: the result's floating dtype (default: x's).
+    """
+    dims = _check_args("kahan_sum", x, dim, keepdim, dtype)
+    return _ops.kahan_reduce(x, dims, keepdim, dtype, mean=False)
 
 
-def kahan_mean(x, dim=None, keepdim=False, *, dtype=None):
+def kahan_mean(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
+               keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Mean of x over dim, like torch.mean: kahan_sum's compensated sum
-    divided by the count in float64, then rounded once to the result dtype."""
-    return _ops.kahan_reduce(x, _dim_list(dim), keepdim, dtype, mean=True)
+    divided by the count in float64, then rounded once to the result dtype.
+
+    Args: as kahan_sum.
+    """
+    dims = _check_args("kahan_mean", x, dim, keepdim, dtype)
+    return _ops.kahan_reduce(x, dims, keepdim, dtype, mean=True)

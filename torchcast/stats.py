@@ -32,6 +32,12 @@ class CastStats:
 
     Casts that cannot lose anything (widening, same dtype) are not measured:
     only ``numel`` is set.
+
+    Casts to an integer or bool dtype (safe_to): ``nan`` counts NaN (which
+    becomes a number), ``overflow`` +-inf and values whose integer part is
+    outside the dtype's range, ``inexact`` every element whose value is not
+    kept (those and dropped fractions); the errors are |x - trunc(x)| (bool:
+    |x - (x != 0)|) over the other finite elements, and the sums are float64.
     """
 
     src_dtype: Optional[torch.dtype]
@@ -49,8 +55,21 @@ class CastStats:
     sum_sq: float = 0.0
 
     @classmethod
-    def from_tensor(cls, stats, src_dtype=None, dtype=None):
-        """Reads a stats tensor (one host synchronization if it is on a GPU)."""
+    def from_tensor(cls, stats: torch.Tensor, src_dtype: Optional[torch.dtype] = None,
+                    dtype: Optional[torch.dtype] = None) -> "CastStats":
+        """Reads a stats tensor (one host synchronization if it is on a GPU).
+
+        Args:
+            stats: the 1-D tensor of ``len(STAT_FIELDS)`` values that
+                cast_with_stats returns (ValueError for any other shape).
+            src_dtype, dtype: the cast's dtypes, recorded in the result.
+        """
+        if stats.dim() != 1 or stats.shape[0] != len(STAT_FIELDS):
+            got = (f"got {stats.shape[0]}" if stats.dim() == 1
+                   else f"got shape {tuple(stats.shape)}")
+            raise ValueError(
+                f"CastStats.from_tensor: stats must be a 1-D tensor, as cast_with_stats returns "
+                f"it: expected {len(STAT_FIELDS)} values ({', '.join(STAT_FIELDS)}), {got}")
         values = stats.detach().to("cpu", torch.float64).tolist()
         fields = dict(zip(STAT_FIELDS, values))
         for name in _COUNTS:
@@ -66,6 +85,12 @@ class CastStats:
         src = self.src_dtype if self.src_dtype == other.src_dtype else None
         dst = self.dtype if self.dtype == other.dtype else None
         return CastStats(src, dst, **merged)
+
+    def __radd__(self, other):
+        # sum([s1, s2, ...]) starts from 0.
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return self
+        return NotImplemented
 
     @property
     def sqnr_db(self):
@@ -94,11 +119,19 @@ class CastStats:
         return d
 
     def __str__(self):
+        maxima = f"max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}"
+        if self.overflow:
+            # The maxima are over elements that did not overflow: alone they
+            # would read as "no error" where every element overflowed.
+            if self.overflow >= self.numel - self.nan:
+                maxima = "max abs err inf, max rel err inf (all overflowed)"
+            else:
+                maxima = (f"max abs err inf, max rel err inf ({self.overflow} overflowed; the "
+                          f"others: {self.max_abs_err:.3g}, {self.max_rel_err:.3g})")
         return (
             f"{_short(self.src_dtype)}->{_short(self.dtype)}: {self.numel} elements, "
             f"{self.inexact} inexact, {self.overflow} overflow, {self.underflow} underflow, "
-            f"{self.subnormal} subnormal, {self.nan} nan, max abs err {self.max_abs_err:.3g}, "
-            f"max rel err {self.max_rel_err:.3g}, SQNR {self.sqnr_db:.1f} dB")
+            f"{self.subnormal} subnormal, {self.nan} nan, {maxima}, SQNR {self.sqnr_db:.1f} dB")
 
 
 class PendingStats:

@@ -528,6 +528,8 @@ class Record:
         if self.measured:
             found += [f"{getattr(s, f)} {f}" for f in ("overflow", "underflow", "subnormal")
                       if getattr(s, f)]
+            if s.nan and _cast._is_integer(self.dtype):  # safe_to to an integer/bool dtype
+                found.append(f"{s.nan} nan")
             if rtol is not None and s.max_rel_err > rtol:
                 found.append(f"max rel err > rtol={rtol:g}")
             if atol is not None and s.max_abs_err > atol:
@@ -794,16 +796,23 @@ class track:
     def __init__(self, all_casts=False, *, policy=None, rtol=None, atol=None):
         if policy is not None:
             _cast._check_policy(policy)
+        rtol = _cast.check_tolerance(rtol, "rtol", "torchcast.track")
+        atol = _cast.check_tolerance(atol, "atol", "torchcast.track")
         self.all_casts = bool(all_casts)
         self.policy, self.rtol, self.atol = policy, rtol, atol
         self._report = None
+        self._active = False
         self._warned = set()
         self._mode = None
 
     def __enter__(self):
-        if self._report is not None:
-            raise RuntimeError("torchcast.track: this track() is already active; create a new one")
+        # Reusable like torch.autocast: each entry records into a fresh Report.
+        # Nesting the same object would make two entries share one state.
+        if self._active:
+            raise RuntimeError("torchcast.track: this track() is already active; nest a new "
+                               "one instead: create a new torchcast.track()")
         self._report = Report(self.rtol, self.atol)
+        self._warned = set()
         _installed.acquire(self.all_casts)
         _cast._push_tracker(self)
         if self.all_casts:
@@ -813,6 +822,7 @@ class track:
                 mode.__enter__()
             mode.trackers.append(self)
             self._mode = mode
+        self._active = True
         return self._report
 
     def __exit__(self, *exc):
@@ -824,6 +834,7 @@ class track:
                     self._mode.__exit__(None, None, None)
                 self._mode = None
         finally:
+            self._active = False
             _cast._pop_tracker(self)
             _installed.release(self.all_casts)
         return False

@@ -1,0 +1,73 @@
+"""The check, shared by safe_to, cast_with_stats and kahan_sum/kahan_mean, that
+x is a tensor kind the ops can take: a dense strided tensor (or a subclass
+without __torch_dispatch__, such as nn.Parameter)."""
+import torch
+from torch._C import _functorch
+
+_STRIDED = torch.strided
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+_LAYOUT_ADVICE = {
+    torch.sparse_coo: "call .to_dense() first",
+    torch.sparse_csr: "call .to_dense() first",
+    torch.sparse_csc: "call .to_dense() first",
+    torch.sparse_bsr: "call .to_dense() first",
+    torch.sparse_bsc: "call .to_dense() first",
+    torch._mkldnn: "call .to_dense() first",
+    torch.jagged: "apply it to each component of .unbind()",
+}
+
+
+def check_input(x: torch.Tensor, fn: str, *, vmap: bool = True) -> None:
+    """TypeError, naming the kind and the fix, if x is not a dense strided
+    tensor (sparse, mkldnn, quantized, nested, a __torch_dispatch__ subclass
+    other than the fake/functional tensors of torch.compile, or with
+    ``vmap=False`` a tensor inside torch.vmap/torch.func). ``fn`` names the
+    caller in the message. x must already be known to be a Tensor.
+
+    The common case costs a type test and three attribute reads: safe_to's
+    per-call time is measured."""
+    if type(x) is torch.Tensor:
+        if x.layout is _STRIDED and not (x.is_quantized or x.is_nested):
+            if vmap or torch.compiler.is_compiling() \
+                    or not _functorch.is_functorch_wrapped_tensor(x):
+                return
+    elif torch.compiler.is_compiling():
+        return  # Dynamo traces FakeTensors/FunctionalTensors through the op's fake kernel
+    _reject(x, fn, vmap)
+
+
+def _reject(x, fn, vmap):
+    layout = x.layout
+    if layout is not _STRIDED:
+        name = str(layout).replace("torch.", "").lstrip("_")
+        if layout is torch.jagged:
+            name = "nested (jagged)"
+        advice = _LAYOUT_ADVICE.get(layout, "convert it to a dense strided tensor first")
+        raise TypeError(f"{fn}: x is a {name} tensor; torchcast takes dense strided tensors "
+                        f"only: {advice}")
+    if x.is_quantized:
+        raise TypeError(f"{fn}: x is a quantized tensor ({x.dtype}); torchcast takes floating "
+                        "tensors: call .dequantize() first")
+    if x.is_nested:
+        raise TypeError(f"{fn}: x is a nested tensor; torchcast takes dense strided tensors "
+                        "only: apply it to each component of .unbind()")
+    cls = type(x)
+    if cls.__torch_dispatch__ is not _PLAIN_DISPATCH and not _is_tracing_tensor(x):
+        raise TypeError(
+            f"{fn}: x is a {cls.__qualname__}, a tensor subclass with __torch_dispatch__, which "
+            "torchcast cannot measure; pass its plain local data (e.g. DTensor.to_local()), "
+            "or use x.to(dtype) for an unmeasured cast")
+    if not vmap and _functorch.is_functorch_wrapped_tensor(x):
+        raise TypeError(
+            f"{fn}: x is a tensor inside torch.vmap or another torch.func transform, whose "
+            "stats cannot leave the transform; call it outside the transform, or use "
+            "torchcast.cast_with_stats inside it (vmap gives per-example stats)")
+
+
+def _is_tracing_tensor(x):
+    """FakeTensor and FunctionalTensor: torch.compile's own subclasses, which
+    run the ops' fake kernels."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(x, (FakeTensor, FunctionalTensor))
