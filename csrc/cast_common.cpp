@@ -9,17 +9,24 @@ std::string dtype_name(at::ScalarType t) {
     case at::kDouble: return "torch.float64";
     case at::kFloat: return "torch.float32";
     case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
     case at::kLong: return "torch.int64";
     case at::kInt: return "torch.int32";
     case at::kShort: return "torch.int16";
     case at::kChar: return "torch.int8";
     case at::kByte: return "torch.uint8";
-    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
     case at::kComplexFloat: return "torch.complex64";
     case at::kComplexDouble: return "torch.complex128";
-    default: return std::string("torch.") + c10::toString(t);
+    default: break;
   }
+  // Every other dtype's Python name is c10's name in lower case
+  // (BFloat16 -> bfloat16, Float8_e4m3fn -> float8_e4m3fn, UInt16 -> uint16,
+  // QInt8 -> qint8, Bool -> bool), which also covers dtypes added later.
+  std::string name = c10::toString(t);
+  for (char& ch : name) {
+    if (ch >= 'A' && ch <= 'Z') ch = static_cast<char>(ch - 'A' + 'a');
+  }
+  return "torch." + name;
 }
 
 static constexpr const char* kSupportedPairs =

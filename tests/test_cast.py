@@ -478,3 +478,29 @@ def test_sqnr_matches_numpy():
     y = round_to_format(x.numpy(), torch.bfloat16)
     ref = 10 * np.log10(np.sum(x.numpy() ** 2) / np.sum((x.numpy() - y) ** 2))
     assert abs(s.sqnr_db - ref) < 1e-4
+
+
+# --- dtype names in errors --------------------------------------------------------
+
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_unsupported_dtype_named_as_python_writes_it(dtype):
+    if dtype in _reference.LOSSY_PAIRS[0] + (torch.float16, torch.bfloat16):
+        return
+    x = torch.zeros(3)
+    for cast in (torch.ops.torchcast.cast_with_stats, _reference.cast_with_stats):
+        with pytest.raises(TypeError) as err:
+            cast(x, dtype)
+        assert str(dtype) in str(err.value), str(err.value)
+    with pytest.raises(TypeError) as err:
+        torch.ops.torchcast.cast_with_stats.out(x, dtype, out=torch.empty(3))
+    assert str(dtype) in str(err.value)
+    try:
+        bad = torch.zeros(3, dtype=dtype)
+    except (RuntimeError, TypeError):
+        return  # quantized and bit dtypes cannot be made by zeros()
+    with pytest.raises(TypeError) as err:
+        torch.ops.torchcast.cast_with_stats(bad, torch.float16)
+    assert str(dtype) in str(err.value), str(err.value)

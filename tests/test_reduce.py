@@ -567,3 +567,26 @@ def test_meta_shapes():
     m = torch.empty(3, 4, 5, device="meta", dtype=torch.bfloat16)
     assert torchcast.kahan_sum(m, 1).shape == (3, 5)
     assert torchcast.kahan_mean(m, (0, 2), keepdim=True, dtype=torch.float32).dtype == torch.float32
+
+
+# --- dtype names in errors --------------------------------------------------------
+
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_unsupported_dtype_named_as_python_writes_it(dtype):
+    if dtype in R.FLOAT_DTYPES:
+        return
+    x = torch.zeros(3)
+    for op in (torch.ops.torchcast.kahan_sum, torch.ops.torchcast.kahan_mean):
+        with pytest.raises(RuntimeError) as err:
+            op(x, dtype=dtype)
+        assert str(dtype) in str(err.value), str(err.value)
+    try:
+        bad = torch.zeros(3, dtype=dtype)
+    except (RuntimeError, TypeError):
+        return
+    with pytest.raises(RuntimeError) as err:
+        torch.ops.torchcast.kahan_sum(bad)
+    assert str(dtype) in str(err.value), str(err.value)
