@@ -504,3 +504,66 @@ def test_unsupported_dtype_named_as_python_writes_it(dtype):
     with pytest.raises(TypeError) as err:
         torch.ops.torchcast.cast_with_stats(bad, torch.float16)
     assert str(dtype) in str(err.value), str(err.value)
+
+
+# --- NaN bits ---------------------------------------------------------------------
+
+def all_float32_nans():
+    """Every float32 NaN: both signs, every nonzero mantissa."""
+    mant = torch.arange(1, 1 << 23, dtype=torch.int32)
+    pos = mant | 0x7F800000
+    return torch.cat([pos, pos | torch.tensor(-(1 << 31), dtype=torch.int32)]).view(torch.float32)
+
+
+def bits16(t):
+    return t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def float64_nan_samples():
+    g = torch.Generator().manual_seed(11)
+    payload = torch.randint(1, 1 << 52, (100_000,), generator=g, dtype=torch.int64)
+    fixed = torch.tensor([1, 1 << 51, (1 << 52) - 1, 1 << 29, (1 << 29) - 1, 1 << 42], dtype=torch.int64)
+    pos = torch.cat([fixed, payload]) | 0x7FF0000000000000
+    return torch.cat([pos, pos | torch.tensor(-(1 << 63), dtype=torch.int64)]).view(torch.float64)
+
+
+def test_float32_to_float16_nan_bits_match_torch_for_every_payload():
+    # torch (F16C, and its AVX2/AVX-512 loops at any layout): sign kept, quiet
+    # bit set, the top 10 mantissa bits kept.
+    x = all_float32_nans()
+    want = bits16(x.to(torch.float16))
+    u = x.view(torch.int32)
+    assert torch.equal(want, ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF))
+    y, stats = torch.ops.torchcast.cast_with_stats(x, torch.float16)
+    assert torch.equal(bits16(y), want)
+    assert stats[1] == x.numel()
+    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.float16)), want)
+    strided = torch.stack([x, x], 1)[:, 0]
+    assert torch.equal(bits16(torch.ops.torchcast.cast_with_stats(strided, torch.float16)[0]), want)
+
+
+def test_float32_to_bfloat16_nan_is_0x7fc0_for_every_payload():
+    # torch's answer depends on the layout (contiguous AVX2/AVX-512: 0xffff;
+    # strided or ATEN_CPU_CAPABILITY=default: c10::BFloat16's 0x7fc0); ours is
+    # always 0x7fc0.
+    x = all_float32_nans()
+    assert bool((bits16(x[::7].to(torch.bfloat16)) == 0x7FC0).all())
+    assert bool((bits16(x.to(torch.bfloat16)) == 0xFFFF).all()) or \
+        torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    y, _ = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
+    assert bool((bits16(y) == 0x7FC0).all())
+    assert bool((bits16(_reference.correctly_rounded(x, torch.bfloat16)) == 0x7FC0).all())
+
+
+def test_float64_nan_bits_match_torch():
+    x = float64_nan_samples()
+    y32, _ = torch.ops.torchcast.cast_with_stats(x, torch.float32)
+    want32 = x.to(torch.float32).view(torch.int32)
+    assert torch.equal(y32.view(torch.int32), want32)
+    assert torch.equal(_reference.correctly_rounded(x, torch.float32).view(torch.int32), want32)
+    y16, _ = torch.ops.torchcast.cast_with_stats(x, torch.float16)
+    assert torch.equal(bits16(y16), bits16(x.to(torch.float16)))
+    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.float16)), bits16(y16))
+    yb, _ = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
+    assert bool((bits16(yb) == 0x7FC0).all())
+    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.bfloat16)), bits16(yb))

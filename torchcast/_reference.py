@@ -52,10 +52,35 @@ def round_to_odd_float32(x):
     return torch.where(inexact, toward_zero | 1, bits).view(torch.float32)
 
 
+def _float32_nans(x):
+    """float64 -> float32 of NaNs as numerics.h's float_from_double_nan: sign
+    kept, quiet bit set, the top 23 payload bits (as x86 converts them)."""
+    b = x.view(torch.int64)
+    bits = ((b >> 32) & -(1 << 31)) | 0x7FC00000 | ((b >> 29) & 0x7FFFFF)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _narrow_nans(f, dtype):
+    """float32 -> float16/bfloat16 of NaNs as numerics.h: float16 keeps the
+    sign and the top 10 mantissa bits, quieted; bfloat16 is always 0x7fc0."""
+    u = f.view(torch.int32)
+    if dtype == torch.float16:
+        h = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
+    else:
+        h = torch.full_like(u, 0x7FC0)
+    return (h - ((h & 0x8000) << 1)).to(torch.int16).view(dtype)
+
+
 def correctly_rounded(x, dtype):
-    if x.dtype == torch.float64 and dtype in (torch.float16, torch.bfloat16):
-        return round_to_odd_float32(x).to(dtype)
-    return x.to(dtype)
+    """x rounded once to dtype, NaNs as the kernels write them (torch's own
+    NaN bits depend on the device and, for bfloat16, on the layout)."""
+    if x.dtype == torch.float64:
+        if dtype == torch.float32:
+            return torch.where(torch.isnan(x), _float32_nans(x), x.to(torch.float32))
+        f = torch.where(torch.isnan(x), _float32_nans(x), round_to_odd_float32(x))
+    else:
+        f = x
+    return torch.where(torch.isnan(f), _narrow_nans(f, dtype), f.to(dtype))
 
 
 _MIN_NORMAL = {
