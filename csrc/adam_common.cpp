@@ -109,14 +109,26 @@ Compensation check_adam_args(at::TensorList params, at::TensorList grads,
                       "torchcast.adam_step_: state_step ", i,
                       " must be a one-element float32 or float64 tensor, got ",
                       dtype_name(s.scalar_type()), " with ", s.numel(), " elements");
+    // Read and written on the host, also for CUDA params (as torch's fused
+    // Adam keeps them); checked here, before any grad is unscaled or any
+    // count incremented.
+    TORCH_CHECK(s.device().is_cpu(), "torchcast.adam_step_: state_step ", i, " is on ",
+                s.device(), " but state steps must be on the CPU");
   }
-  const auto check_scalar = [](const std::optional<at::Tensor>& t, const char* what) {
+  const auto check_scalar = [&](const std::optional<at::Tensor>& t, const char* what) {
     TORCH_CHECK_VALUE(!t.has_value() || (t->numel() == 1 && t->is_floating_point()),
                       "torchcast.adam_step_: ", what, " must be a one-element floating tensor");
+    if (t.has_value() && n > 0) check_scalar_device(*t, what, params[0].device());
   };
   check_scalar(grad_scale, "grad_scale");
   check_scalar(found_inf, "found_inf");
   return mode;
+}
+
+void check_scalar_device(const at::Tensor& t, const char* what, const at::Device& params) {
+  TORCH_CHECK(t.device().is_cpu() || t.device() == params, "torchcast.adam_step_: ", what,
+              " is on ", t.device(), " but the params are on ", params,
+              "; put it on the CPU or the params' device");
 }
 
 TensorOperands::TensorOperands(const at::Tensor& param, const at::Tensor& grad,

@@ -267,6 +267,10 @@ Compensation check_adam_args(at::TensorList params, at::TensorList grads,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf);
 
+// lr (tensor overload), grad_scale and found_inf: on the CPU or the params'
+// device.
+void check_scalar_device(const at::Tensor& t, const char* what, const at::Device& params);
+
 // The value of a one-element step counter after adding one to it in place.
 double increment_step(const at::Tensor& step);
 

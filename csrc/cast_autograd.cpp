@@ -39,4 +39,24 @@ std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x,
   return {out[0], out[1]};
 }
 
+// The out= variant refuses autograd as torch's out= ops do (same wording):
+// out cannot carry a graph, and writing into a leaf that requires grad would
+// cut it silently.
+at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out) {
+  TORCH_CHECK(!at::GradMode::is_enabled() || !(x.requires_grad() || out.requires_grad()),
+              "torchcast.cast_with_stats(): functions with out=... arguments don't support "
+              "automatic differentiation, but one of the arguments requires grad. Call it "
+              "without out= (y then carries the gradient) or under torch.no_grad()");
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchcast::cast_with_stats", "out")
+                             .typed<at::Tensor(const at::Tensor&, at::ScalarType, at::Tensor&)>();
+  at::Tensor stats;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    stats = op.call(x, dtype, out);
+  }
+  torch::autograd::impl::bump_version(out);  // out was written in place
+  return stats;
+}
+
 }  // namespace torchcast

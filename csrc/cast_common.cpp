@@ -1,6 +1,10 @@
 #include "cast_common.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
+#include <utility>
 
 namespace torchcast {
 
@@ -9,17 +13,24 @@ std::string dtype_name(at::ScalarType t) {
     case at::kDouble: return "torch.float64";
     case at::kFloat: return "torch.float32";
     case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
     case at::kLong: return "torch.int64";
     case at::kInt: return "torch.int32";
     case at::kShort: return "torch.int16";
     case at::kChar: return "torch.int8";
     case at::kByte: return "torch.uint8";
-    case at::kBool: return "torch.bool";
+    case at::kComplexHalf: return "torch.complex32";
     case at::kComplexFloat: return "torch.complex64";
     case at::kComplexDouble: return "torch.complex128";
-    default: return std::string("torch.") + c10::toString(t);
+    default: break;
   }
+  // Every other dtype's Python name is c10's name in lower case
+  // (BFloat16 -> bfloat16, Float8_e4m3fn -> float8_e4m3fn, UInt16 -> uint16,
+  // QInt8 -> qint8, Bool -> bool), which also covers dtypes added later.
+  std::string name = c10::toString(t);
+  for (char& ch : name) {
+    if (ch >= 'A' && ch <= 'Z') ch = static_cast<char>(ch - 'A' + 'a');
+  }
+  return "torch." + name;
 }
 
 static constexpr const char* kSupportedPairs =
@@ -52,7 +63,39 @@ void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor&
   TORCH_CHECK(out.sizes() == x.sizes(), "torchcast.cast_with_stats: out has shape ", out.sizes(),
               " but x has shape ", x.sizes(), "; out must have x's shape");
   TORCH_CHECK(out.device() == x.device(), "torchcast.cast_with_stats: out is on ", out.device(),
-              " but x is on ", x.device());
+              " but x is on ", x.device(), "; out must be on x's device");
+  if (out.numel() == 0) return;
+  // ATen's has_internal_overlap and get_overlap_status answer "too hard" for
+  // any non-dense tensor, which is how an aliasing out usually looks
+  // (x.view(torch.float16)[::2]), so both checks are made here from strides.
+  TORCH_CHECK(!may_self_overlap(out), "torchcast.cast_with_stats: out's strides let elements "
+              "share memory (e.g. an expanded tensor), so the result would depend on the write "
+              "order; allocate out with torch.empty_like(x, dtype=...)");
+  const auto range = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto* begin = static_cast<const char*>(t.const_data_ptr());
+    return std::make_pair(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto [x0, x1] = range(x);
+  const auto [o0, o1] = range(out);
+  TORCH_CHECK(!(o0 < x1 && x0 < o1), "torchcast.cast_with_stats: out shares memory with x, so "
+              "writing out would overwrite x while it is read; pass an out that does not overlap "
+              "x (or x.clone())");
+}
+
+bool may_self_overlap(const at::Tensor& t) {
+  c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;  // (stride, size) of dims with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // the largest offset reachable with the smaller strides
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) return true;
+    span += stride * (size - 1);
+  }
+  return false;
 }
 
 at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y) {

@@ -20,8 +20,14 @@ enum class CastKind { kNarrowing, kExact };
 // listing the supported pairs) for anything else.
 CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 
-// Checks a preallocated output for cast_with_stats.out.
+// Checks a preallocated output for cast_with_stats.out: dtype, shape, device,
+// and that out overlaps neither itself nor x. (Autograd is refused by the
+// Autograd kernel, cast_autograd.cpp.)
 void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out);
+
+// False when t's strides prove that no two elements share memory: each
+// stride, in increasing order, exceeds the span of the smaller ones.
+bool may_self_overlap(const at::Tensor& t);
 
 // y = cast(x) over any strides, in the element order the canonical
 // reduction follows on every backend.

@@ -77,6 +77,24 @@ TC_HD double neumaier_value(float s, float c) {
 // ---------------------------------------------------------------------------
 // Narrowing with round-to-nearest-even, written with bit operations so that
 // the CPU and CUDA kernels produce identical bits (NaN payloads included).
+//
+// NaNs. torch 2.13 on an x86 CPU (AVX2 or AVX-512 build) converts a NaN as
+// follows, and these functions return the same bits where torch's answer does
+// not depend on the layout:
+//  - float32 -> float16 (F16C): sign kept, quiet bit set, the top 10 mantissa
+//    bits kept: 0x7f802000 -> 0x7e01, 0xffffffff -> 0xffff. torch agrees at
+//    every layout (with ATEN_CPU_CAPABILITY=default its strided loop alone
+//    returns sign | 0x7e00).
+//  - float64 -> float32: sign kept, quiet bit set, the top 23 payload bits
+//    kept (float_from_double_nan), at every layout.
+//  - float64 -> float16: the two steps above, as torch does them.
+//  - float32 or float64 -> bfloat16: always 0x7fc0, c10::BFloat16's rule,
+//    which torch follows for strided inputs, for the scalar tail of a float64
+//    source and with ATEN_CPU_CAPABILITY=default. torch's vectorized loop over
+//    a contiguous input returns 0xffff instead: there, and only there, the
+//    bits differ from x.to(torch.bfloat16) (both are NaN).
+// torch's CUDA casts return canonical NaNs (0x7fff, 0x7fffffff); torchcast's
+// CUDA kernels return the CPU bits above.
 
 // Every path below is computed and then selected, without branches, so that
 // the CPU loops vectorize.
@@ -90,7 +108,8 @@ TC_HD uint16_t half_bits_from_float(float f) {
   const uint32_t w = bit_cast<uint32_t>(f);
   const uint32_t sign = (w >> 16) & 0x8000u;
   const uint32_t u = w & 0x7fffffffu;
-  const uint32_t special = u > 0x7f800000u ? 0x7e00u : 0x7c00u;  // quiet NaN or inf
+  // A NaN keeps its top 10 mantissa bits and is quieted; inf stays inf.
+  const uint32_t special = u > 0x7f800000u ? (0x7e00u | ((u >> 13) & 0x3ffu)) : 0x7c00u;
   const uint32_t subnormal = bit_cast<uint32_t>(bit_cast<float>(u) + 0.5f) - 0x3f000000u;
   const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
   const uint32_t mag = u >= 0x47800000u ? special : (u < 0x38800000u ? subnormal : normal);
@@ -99,9 +118,8 @@ TC_HD uint16_t half_bits_from_float(float f) {
 
 TC_HD uint16_t bfloat16_bits_from_float(float f) {
   const uint32_t u = bit_cast<uint32_t>(f);
-  const uint32_t quiet_nan = (u >> 16) | 0x0040u;  // sign kept
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
 TC_HD float float_from_half_bits(uint16_t h) {

@@ -63,6 +63,7 @@ TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
 // identity, stats is not differentiable.
 TORCH_LIBRARY_IMPL(torchcast, Autograd, m) {
   m.impl("cast_with_stats", &torchcast::cast_with_stats_autograd);
+  m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_autograd);
 }
 
 // Autocast passes the cast through untouched: re-casting x before the op

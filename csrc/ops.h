@@ -21,6 +21,7 @@ at::Tensor kahan_mean_cpu(const at::Tensor& x, at::OptionalIntArrayRef dim, bool
 
 // Autograd kernel (csrc/cast_autograd.cpp), for every backend.
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x, at::ScalarType dtype);
+at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out);
 
 #ifdef TORCHCAST_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_cuda(const at::Tensor& x, at::ScalarType dtype);

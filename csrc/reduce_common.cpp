@@ -43,6 +43,16 @@ Axes coalesce(const Axes& in) {
 
 }  // namespace
 
+at::Tensor accumulation_input(const char* op, const at::Tensor& x,
+                              std::optional<at::ScalarType> dtype) {
+  check_dtypes(op, x, dtype);
+  // A float32 accumulator overflows past 3.4e38 even when the float64 result
+  // would hold the sum; the float64 copy takes the plain float64 path that
+  // float64 inputs take, in its own canonical order.
+  if (dtype == at::kDouble && x.scalar_type() != at::kDouble) return x.to(at::kDouble);
+  return x;
+}
+
 int64_t numel_of(const Axes& axes) {
   int64_t n = 1;
   for (const Axis& a : axes) n *= a.size;

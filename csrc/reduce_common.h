@@ -166,6 +166,13 @@ struct ReducePlan {
   Scheme scheme = Scheme::kFull;
 };
 
+// The tensor a kernel reduces: x itself, or x.to(torch.float64) when the
+// result is float64, so that dtype=torch.float64 accumulates in float64 (as
+// torch.sum's does) and never overflows where torch's does not. Checks the
+// dtypes first: a non-floating x is an error, not something to convert.
+at::Tensor accumulation_input(const char* op, const at::Tensor& x,
+                              std::optional<at::ScalarType> dtype);
+
 // Checks the arguments the way torch.sum / torch.mean do (same exception
 // types, dim errors from torch itself) and plans the reduction.
 ReducePlan plan_reduce(const char* op, const at::Tensor& x, at::OptionalIntArrayRef dim,

@@ -478,3 +478,212 @@ def test_sqnr_matches_numpy():
     y = round_to_format(x.numpy(), torch.bfloat16)
     ref = 10 * np.log10(np.sum(x.numpy() ** 2) / np.sum((x.numpy() - y) ** 2))
     assert abs(s.sqnr_db - ref) < 1e-4
+
+
+# --- dtype names in errors --------------------------------------------------------
+
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_unsupported_dtype_named_as_python_writes_it(dtype):
+    if dtype in _reference.LOSSY_PAIRS[0] + (torch.float16, torch.bfloat16):
+        return
+    x = torch.zeros(3)
+    for cast in (torch.ops.torchcast.cast_with_stats, _reference.cast_with_stats):
+        with pytest.raises(TypeError) as err:
+            cast(x, dtype)
+        assert str(dtype) in str(err.value), str(err.value)
+    with pytest.raises(TypeError) as err:
+        torch.ops.torchcast.cast_with_stats.out(x, dtype, out=torch.empty(3))
+    assert str(dtype) in str(err.value)
+    try:
+        bad = torch.zeros(3, dtype=dtype)
+    except (RuntimeError, TypeError):
+        return  # quantized and bit dtypes cannot be made by zeros()
+    with pytest.raises(TypeError) as err:
+        torch.ops.torchcast.cast_with_stats(bad, torch.float16)
+    assert str(dtype) in str(err.value), str(err.value)
+
+
+# --- NaN bits ---------------------------------------------------------------------
+
+def all_float32_nans():
+    """Every float32 NaN: both signs, every nonzero mantissa."""
+    mant = torch.arange(1, 1 << 23, dtype=torch.int32)
+    pos = mant | 0x7F800000
+    return torch.cat([pos, pos | torch.tensor(-(1 << 31), dtype=torch.int32)]).view(torch.float32)
+
+
+def bits16(t):
+    return t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def float64_nan_samples():
+    g = torch.Generator().manual_seed(11)
+    payload = torch.randint(1, 1 << 52, (100_000,), generator=g, dtype=torch.int64)
+    fixed = torch.tensor([1, 1 << 51, (1 << 52) - 1, 1 << 29, (1 << 29) - 1, 1 << 42], dtype=torch.int64)
+    pos = torch.cat([fixed, payload]) | 0x7FF0000000000000
+    return torch.cat([pos, pos | torch.tensor(-(1 << 63), dtype=torch.int64)]).view(torch.float64)
+
+
+def test_float32_to_float16_nan_bits_match_torch_for_every_payload():
+    # torch (F16C, and its AVX2/AVX-512 loops at any layout): sign kept, quiet
+    # bit set, the top 10 mantissa bits kept.
+    x = all_float32_nans()
+    want = bits16(x.to(torch.float16))
+    u = x.view(torch.int32)
+    assert torch.equal(want, ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF))
+    y, stats = torch.ops.torchcast.cast_with_stats(x, torch.float16)
+    assert torch.equal(bits16(y), want)
+    assert stats[1] == x.numel()
+    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.float16)), want)
+    strided = torch.stack([x, x], 1)[:, 0]
+    assert torch.equal(bits16(torch.ops.torchcast.cast_with_stats(strided, torch.float16)[0]), want)
+
+
+def test_float32_to_bfloat16_nan_is_0x7fc0_for_every_payload():
+    # torch's answer depends on the layout (contiguous AVX2/AVX-512: 0xffff;
+    # strided or ATEN_CPU_CAPABILITY=default: c10::BFloat16's 0x7fc0); ours is
+    # always 0x7fc0.
+    x = all_float32_nans()
+    assert bool((bits16(x[::7].to(torch.bfloat16)) == 0x7FC0).all())
+    assert bool((bits16(x.to(torch.bfloat16)) == 0xFFFF).all()) or \
+        torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    y, _ = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
+    assert bool((bits16(y) == 0x7FC0).all())
+    assert bool((bits16(_reference.correctly_rounded(x, torch.bfloat16)) == 0x7FC0).all())
+
+
+def test_float64_nan_bits_match_torch():
+    x = float64_nan_samples()
+    y32, _ = torch.ops.torchcast.cast_with_stats(x, torch.float32)
+    want32 = x.to(torch.float32).view(torch.int32)
+    assert torch.equal(y32.view(torch.int32), want32)
+    assert torch.equal(_reference.correctly_rounded(x, torch.float32).view(torch.int32), want32)
+    y16, _ = torch.ops.torchcast.cast_with_stats(x, torch.float16)
+    assert torch.equal(bits16(y16), bits16(x.to(torch.float16)))
+    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.float16)), bits16(y16))
+    yb, _ = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
+    assert bool((bits16(yb) == 0x7FC0).all())
+    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.bfloat16)), bits16(yb))
+
+
+# --- devices: the fake kernels refuse a meta tensor among real ones -----------------
+
+def test_out_on_another_device_raises_before_writing():
+    x = torch.randn(4, 5)
+    out_meta = torch.empty(4, 5, dtype=torch.float16, device="meta")
+    for call in (lambda: torch.ops.torchcast.cast_with_stats.out(x, torch.float16, out=out_meta),
+                 lambda: _ops.cast_with_stats(x, torch.float16, out=out_meta),
+                 lambda: torchcast.cast_with_stats(x, torch.float16, out=out_meta)):
+        with pytest.raises(RuntimeError, match="out is on meta but x is on cpu"):
+            call()
+    out = torch.full((4, 5), 7.0, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="out is on cpu but x is on meta"):
+        torch.ops.torchcast.cast_with_stats.out(x.to("meta"), torch.float16, out=out)
+    assert bool((out == 7).all())
+    # all on meta: the fake kernel, as before
+    stats = torch.ops.torchcast.cast_with_stats.out(x.to("meta"), torch.float16, out=out_meta)
+    assert stats.device.type == "meta" and stats.shape == (11,)
+
+
+def adam_operands(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    p = [torch.randn(3, 2, generator=g) for _ in range(2)]
+    return [[t.to(device) for t in p], [t.to(device) * 0.1 for t in p],
+            [torch.zeros(3, 2, device=device) for _ in p], [torch.zeros(3, 2, device=device) for _ in p],
+            [], [], [torch.tensor(0.0) for _ in p]]
+
+
+ADAM_KW = dict(beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
+               decoupled_weight_decay=False, compensation="none")
+
+
+@pytest.mark.parametrize("where,what", [((2, 1), "exp_avg 1 is on meta but its param is on cpu"),
+                                        ((1, 0), "grad 0 is on meta but its param is on cpu"),
+                                        ((0, 1), "param 1 is on meta but param 0 is on cpu"),
+                                        ((6, 0), "state_step 0 is on meta but state steps must be on the CPU"),
+                                        ("grad_scale", "grad_scale is on meta"),
+                                        ("found_inf", "found_inf is on meta"),
+                                        ("lr", "lr is on meta")])
+def test_adam_meta_tensor_among_cpu_ones_raises_and_changes_nothing(where, what):
+    ops = adam_operands()
+    kw = dict(ADAM_KW, lr=1e-3)
+    if isinstance(where, tuple):
+        ops[where[0]][where[1]] = ops[where[0]][where[1]].to("meta")
+    elif where == "lr":
+        kw["lr"] = torch.tensor(1e-3, device="meta")
+    else:
+        kw[where] = torch.tensor(1.0, device="meta")
+    before = [[t.clone() for t in group] for group in ops]
+    op = torch.ops.torchcast.adam_step_.tensor_lr if where == "lr" else torch.ops.torchcast.adam_step_
+    with pytest.raises(RuntimeError, match=what):
+        op(*ops, **kw)
+    for group, old in zip(ops, before):
+        for t, o in zip(group, old):
+            if t.device.type == "cpu":
+                assert torch.equal(t, o)
+
+
+def test_adam_all_meta_stays_the_fake_path():
+    ops = adam_operands("meta")
+    torch.ops.torchcast.adam_step_(*ops, lr=1e-3, **ADAM_KW)  # CPU step counts, as in real use
+    ops[6] = [s.to("meta") for s in ops[6]]
+    torch.ops.torchcast.adam_step_(*ops, lr=1e-3, grad_scale=torch.tensor(1.0, device="meta"), **ADAM_KW)
+    torch.ops.torchcast.adam_step_.tensor_lr(*ops, lr=torch.tensor(1e-3), **ADAM_KW)
+
+
+# --- out=: autograd and aliasing -----------------------------------------------------
+
+OUT_GRAD = "don't support automatic differentiation, but one of the arguments requires grad"
+
+
+def test_out_refuses_autograd_like_torch():
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    out = torch.empty(6, dtype=torch.float16)
+    leaf = torch.empty(6, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=OUT_GRAD):
+        torch.add(x, 1, out=torch.empty(6, dtype=torch.float64))  # torch's own wording
+    for call in (torch.ops.torchcast.cast_with_stats.out, _ops.cast_with_stats,
+                 _reference.cast_with_stats):
+        for a, o in ((x, out), (x.detach(), leaf)):
+            with pytest.raises(RuntimeError, match=OUT_GRAD):
+                call(a, torch.float16, out=o)
+    with torch.no_grad():  # as torch: allowed without grad mode
+        torch.ops.torchcast.cast_with_stats.out(x, torch.float16, out=leaf)
+        assert torch.equal(leaf, x.detach().half())
+
+
+def test_out_refuses_autograd_on_the_fallback(monkeypatch):
+    monkeypatch.setattr(_ops, "has_kernel", lambda op, device: False)
+    monkeypatch.setattr(_ops, "_warned_fallback", {"cpu"})
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=OUT_GRAD):
+        _ops.cast_with_stats(x, torch.float16, out=torch.empty(6, dtype=torch.float16))
+
+
+def aliasing_outs():
+    """(x, out) pairs whose out overlaps x or itself."""
+    n = 8
+    x = torch.randn(2 * n)
+    yield "strided view of x", x, x.view(torch.float16)[::2]
+    x = torch.randn(2 * n)
+    yield "tail of x", x, x.view(torch.float16)[2 * n:]
+    x = torch.randn(n, dtype=torch.float64)
+    yield "float64 x, float32 out inside it", x, x.view(torch.float32)[::2]
+    x = torch.randn(n, dtype=torch.float64)
+    yield "expanded out", x, torch.empty(1, dtype=torch.float32).expand(n)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    yield "as_strided out overlapping itself", x, torch.empty(16, dtype=torch.float32).as_strided((4, 4), (2, 1))
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_out_aliasing_x_or_itself_raises_before_writing(case):
+    name, x, out = list(aliasing_outs())[case]
+    dtype = out.dtype
+    for call in (torch.ops.torchcast.cast_with_stats.out, _reference.cast_with_stats):
+        x_before = x.clone()
+        with pytest.raises(RuntimeError, match="shares memory with x|elements share memory"):
+            call(x, dtype, out=out)
+        assert torch.equal(x, x_before), name

@@ -347,16 +347,17 @@ SPECIAL = [
 def test_special_values(values, expected):
     x = torch.tensor(values, dtype=torch.float32)
     for xx in (x, x.repeat(1000), x.repeat(1000, 3).t()):
-        want = torch.sum(xx)  # torch's float32 sum agrees on every case
         for dtype in (None, torch.float64):
-            # float32 accumulation: an overflowing partial sum is inf even
-            # when the result is float64.
+            # torch's sum agrees on every case: float32 accumulation overflows,
+            # and with dtype=torch.float64 both accumulate in float64.
+            want = torch.sum(xx, dtype=dtype)
             got = torchcast.kahan_sum(xx, dtype=dtype)
             if math.isnan(expected):
                 assert torch.isnan(got) and torch.isnan(want)
             else:
-                assert got.item() == expected == want.item()
-                assert_bitwise(got.float(), want)  # +0, not -0, like torch
+                if dtype is None or not math.isinf(expected):
+                    assert got.item() == expected
+                assert_bitwise(got, want)  # +0, not -0, like torch
 
 
 def test_non_finite_stays_in_its_output():
@@ -567,3 +568,69 @@ def test_meta_shapes():
     m = torch.empty(3, 4, 5, device="meta", dtype=torch.bfloat16)
     assert torchcast.kahan_sum(m, 1).shape == (3, 5)
     assert torchcast.kahan_mean(m, (0, 2), keepdim=True, dtype=torch.float32).dtype == torch.float32
+
+
+# --- dtype names in errors --------------------------------------------------------
+
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_unsupported_dtype_named_as_python_writes_it(dtype):
+    if dtype in R.FLOAT_DTYPES:
+        return
+    x = torch.zeros(3)
+    for op in (torch.ops.torchcast.kahan_sum, torch.ops.torchcast.kahan_mean):
+        with pytest.raises(RuntimeError) as err:
+            op(x, dtype=dtype)
+        assert str(dtype) in str(err.value), str(err.value)
+    try:
+        bad = torch.zeros(3, dtype=dtype)
+    except (RuntimeError, TypeError):
+        return
+    with pytest.raises(RuntimeError) as err:
+        torch.ops.torchcast.kahan_sum(bad)
+    assert str(dtype) in str(err.value), str(err.value)
+
+
+# --- dtype=torch.float64 accumulates in float64 -------------------------------------
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["kahan_sum", "kahan_mean"])
+def test_float64_dtype_does_not_overflow_where_torch_does_not(src, op):
+    big = torch.finfo(src).max
+    mean = op == "kahan_mean"
+    fn = getattr(torchcast, op)
+    cases = [torch.full((4,), big, dtype=src), torch.full((3, 1000), big, dtype=src),
+             torch.tensor([big, big, -big, big / 2], dtype=src)]
+    for x in cases:
+        exact = math.fsum(x.double().reshape(-1).tolist())
+        want = exact / x.numel() if mean else exact
+        for got in (fn(x, dtype=torch.float64), R.kahan_reduce(x, None, False, torch.float64, mean)):
+            assert got.dtype == torch.float64 and got.item() == want, (got, want)
+        torch_ref = (torch.mean if mean else torch.sum)(x, dtype=torch.float64)
+        assert math.isfinite(torch_ref.item()) and torch_ref.item() == want
+        if x.dim() == 2:
+            for dim in (0, 1):
+                got = fn(x, dim=dim, dtype=torch.float64)
+                ref = (torch.mean if mean else torch.sum)(x.double(), dim=dim)
+                assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float16, torch.bfloat16])
+def test_float64_dtype_is_the_float64_sum_of_the_float64_values(src):
+    # The rule: kahan_sum(x, dtype=torch.float64) == kahan_sum(x.to(torch.float64)),
+    # on every scheme and layout, and the fallback agrees.
+    g = torch.Generator().manual_seed(8)
+    base = (torch.randn(300, 257, generator=g, dtype=torch.float64) * 1e4).to(src)
+    for x, dim in ((base, None), (base, 1), (base, 0), (base.t(), 1), (base[::2, 1::3], None),
+                   (base[::2, 1::3], 0)):
+        dims = None if dim is None else [dim]
+        for mean in (False, True):
+            op = torch.ops.torchcast.kahan_mean if mean else torch.ops.torchcast.kahan_sum
+            got = op(x, dims, dtype=torch.float64)
+            assert_bitwise(got, op(x.to(torch.float64), dims))
+            assert_bitwise(got, R.kahan_reduce(x, dims, False, torch.float64, mean))
+    x = base.reshape(-1)
+    np.testing.assert_allclose(torchcast.kahan_sum(x, dtype=torch.float64).item(),
+                               math.fsum(x.double().tolist()), rtol=1e-15)

@@ -31,6 +31,7 @@ def _cast_with_stats_fake(x, dtype):
 @torch.library.register_fake("torchcast::cast_with_stats.out")
 def _cast_with_stats_out_fake(x, dtype, *, out):
     _reference.classify_cast(x.dtype, dtype)
+    _reference.check_out_devices(x, out)
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
@@ -63,8 +64,8 @@ def cast_with_stats(x, dtype, out=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
     if not has_kernel("cast_with_stats", x.device):
         _warn_fallback(x.device)
-        if x.requires_grad and torch.is_grad_enabled():
-            y, stats = _reference.cast_with_stats(x.detach(), dtype, out)
+        if x.requires_grad and torch.is_grad_enabled() and out is None:
+            y, stats = _reference.cast_with_stats(x.detach(), dtype)
             return _FallbackCast.apply(x, y), stats
         return _reference.cast_with_stats(x, dtype, out)
     if out is not None:
@@ -88,13 +89,47 @@ class _FallbackCast(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 # adam_step_ (torchcast.optim.Adam/AdamW): one fused step over the tensors of
 # one dtype group. It mutates its inputs and returns nothing, so the fake
-# kernels have nothing to compute; the schema's (a!) annotations tell
-# torch.compile what changes.
+# kernels only check devices (the dispatcher picks them when any argument is
+# on meta, so a meta tensor among CPU ones lands here); the schema's (a!)
+# annotations tell torch.compile what changes.
+
+def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                        state_steps, lr, grad_scale, found_inf):
+    """The device rules of csrc/adam_common.cpp: one device for the params and
+    their grads and states, the step counts on the CPU, and lr, grad_scale
+    and found_inf on the CPU or the params' device. Under fake tracing every
+    tensor reports its real device; an all-meta call has meta step counts."""
+    if not params:
+        return
+    device = params[0].device
+    cpu = torch.device("cpu")
+    for i, p in enumerate(params):
+        if p.device != device:
+            raise RuntimeError(f"torchcast.adam_step_: param {i} is on {p.device} but param 0 "
+                               f"is on {device}; one call steps one device")
+        for what, tensors in (("grad", grads), ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
+                              ("max_exp_avg_sq", max_exp_avg_sqs),
+                              ("compensation", compensations)):
+            if i < len(tensors) and tensors[i].device != p.device:
+                raise RuntimeError(f"torchcast.adam_step_: {what} {i} is on {tensors[i].device} "
+                                   f"but its param is on {p.device}")
+    step_ok = (cpu, device) if device.type == "meta" else (cpu,)
+    for i, s in enumerate(state_steps):
+        if s.device not in step_ok:
+            raise RuntimeError(f"torchcast.adam_step_: state_step {i} is on {s.device} but "
+                               "state steps must be on the CPU")
+    for what, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if isinstance(t, torch.Tensor) and t.device not in (cpu, device):
+            raise RuntimeError(f"torchcast.adam_step_: {what} is on {t.device} but the params "
+                               f"are on {device}; put it on the CPU or the params' device")
+
 
 @torch.library.register_fake("torchcast::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                     state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
                     decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+    _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                        state_steps, lr, grad_scale, found_inf)
     return None
 
 
@@ -103,6 +138,8 @@ def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_
                               compensations, state_steps, *, lr, beta1, beta2, weight_decay,
                               eps, amsgrad, maximize, decoupled_weight_decay, compensation,
                               grad_scale=None, found_inf=None):
+    _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+                        state_steps, lr, grad_scale, found_inf)
     return None
 
 

@@ -52,10 +52,35 @@ def round_to_odd_float32(x):
     return torch.where(inexact, toward_zero | 1, bits).view(torch.float32)
 
 
+def _float32_nans(x):
+    """float64 -> float32 of NaNs as numerics.h's float_from_double_nan: sign
+    kept, quiet bit set, the top 23 payload bits (as x86 converts them)."""
+    b = x.view(torch.int64)
+    bits = ((b >> 32) & -(1 << 31)) | 0x7FC00000 | ((b >> 29) & 0x7FFFFF)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _narrow_nans(f, dtype):
+    """float32 -> float16/bfloat16 of NaNs as numerics.h: float16 keeps the
+    sign and the top 10 mantissa bits, quieted; bfloat16 is always 0x7fc0."""
+    u = f.view(torch.int32)
+    if dtype == torch.float16:
+        h = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
+    else:
+        h = torch.full_like(u, 0x7FC0)
+    return (h - ((h & 0x8000) << 1)).to(torch.int16).view(dtype)
+
+
 def correctly_rounded(x, dtype):
-    if x.dtype == torch.float64 and dtype in (torch.float16, torch.bfloat16):
-        return round_to_odd_float32(x).to(dtype)
-    return x.to(dtype)
+    """x rounded once to dtype, NaNs as the kernels write them (torch's own
+    NaN bits depend on the device and, for bfloat16, on the layout)."""
+    if x.dtype == torch.float64:
+        if dtype == torch.float32:
+            return torch.where(torch.isnan(x), _float32_nans(x), x.to(torch.float32))
+        f = torch.where(torch.isnan(x), _float32_nans(x), round_to_odd_float32(x))
+    else:
+        f = x
+    return torch.where(torch.isnan(f), _narrow_nans(f, dtype), f.to(dtype))
 
 
 _MIN_NORMAL = {
@@ -138,8 +163,69 @@ def iteration_order(t, layout):
     return t.permute(dims).reshape(-1)
 
 
+OUT_REQUIRES_GRAD = (
+    "torchcast.cast_with_stats(): functions with out=... arguments don't support automatic "
+    "differentiation, but one of the arguments requires grad. Call it without out= (y then "
+    "carries the gradient) or under torch.no_grad()")
+
+
+def check_out_devices(x, out):
+    """out on x's device (the fake kernel's check too: a meta out with a CPU x
+    would otherwise select it and write nothing)."""
+    if out.device != x.device:
+        raise RuntimeError(
+            f"torchcast.cast_with_stats: out is on {out.device} but x is on {x.device}; "
+            "out must be on x's device")
+
+
+def _may_self_overlap(t):
+    """False when t's strides prove no two elements share memory (each stride,
+    in increasing order, exceeds the span of the smaller ones)."""
+    span = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _byte_range(t):
+    start = t.data_ptr()
+    return start, start + (sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def check_out(x, dtype, out):
+    """cast_with_stats.out's checks, as csrc/cast_common.cpp makes them, before
+    anything is written."""
+    if torch.is_grad_enabled() and (x.requires_grad or out.requires_grad):
+        raise RuntimeError(OUT_REQUIRES_GRAD)
+    if out.dtype != dtype:
+        raise RuntimeError(
+            f"torchcast.cast_with_stats: out has dtype {out.dtype} but the cast is to {dtype}; "
+            f"allocate out with dtype={dtype}")
+    if out.shape != x.shape:
+        raise RuntimeError(
+            f"torchcast.cast_with_stats: out has shape {list(out.shape)} but x has shape "
+            f"{list(x.shape)}; out must have x's shape")
+    check_out_devices(x, out)
+    if out.numel() == 0 or x.device.type == "meta":
+        return
+    if _may_self_overlap(out):
+        raise RuntimeError(
+            "torchcast.cast_with_stats: out's strides let elements share memory (e.g. an "
+            "expanded tensor), so the result would depend on the write order; allocate out "
+            "with torch.empty_like(x, dtype=...)")
+    (x0, x1), (o0, o1) = _byte_range(x), _byte_range(out)
+    if o0 < x1 and x0 < o1:
+        raise RuntimeError(
+            "torchcast.cast_with_stats: out shares memory with x, so writing out would "
+            "overwrite x while it is read; pass an out that does not overlap x (or x.clone())")
+
+
 def cast_with_stats(x, dtype, out=None):
     kind = classify_cast(x.dtype, dtype)
+    if out is not None:
+        check_out(x, dtype, out)
     y = torch.empty_like(x, dtype=dtype) if out is None else out
     stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=x.device)
     stats[0] = x.numel()

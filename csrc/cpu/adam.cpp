@@ -138,6 +138,7 @@ void adam_step_tensor_lr_cpu(at::TensorList params, at::TensorList grads,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
+  if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
   adam_step_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                 state_steps, lr.item<double>(), beta1, beta2, weight_decay, eps, amsgrad, maximize,
                 decoupled_weight_decay, compensation, grad_scale, found_inf);

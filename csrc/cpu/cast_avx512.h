@@ -2,7 +2,8 @@
 // LaneState as the portable loop in cast.cpp and must agree with it (and so
 // with ElementMeasure, numerics.h) bit for bit; only the instructions differ:
 //  - float32 -> float16 is vcvtps2ph, which rounds to nearest even like
-//    half_bits_from_float; NaNs are then rewritten to sign | 0x7e00 as there.
+//    half_bits_from_float, and quiets NaNs keeping their top mantissa bits,
+//    as there.
 //    vcvtph2ps widens exactly, like float_from_half_bits.
 //  - Round to odd (float_round_to_odd) converts with rounding toward zero and
 //    sets the last bit where that conversion is inexact, which is the value
@@ -127,11 +128,6 @@ struct F32x16 {
     return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   TC_AVX512_INLINE static V from_half(H h) { return _mm512_cvtph_ps(h); }
-  TC_AVX512_INLINE static H quiet_half_nans(H h, Mask nan) {
-    const H quiet =  // (h & 0x8000) | 0x7e00
-        _mm256_ternarylogic_epi32(h, _mm256_set1_epi16(-0x8000), _mm256_set1_epi16(0x7e00), 0xea);
-    return _mm256_mask_mov_epi16(h, nan, quiet);
-  }
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   }
@@ -189,11 +185,6 @@ struct F32x8 {
     return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   TC_AVX512_INLINE static V from_half(H h) { return _mm256_cvtph_ps(h); }
-  TC_AVX512_INLINE static H quiet_half_nans(H h, Mask nan) {
-    const H quiet =  // (h & 0x8000) | 0x7e00
-        _mm_ternarylogic_epi32(h, _mm_set1_epi16(-0x8000), _mm_set1_epi16(0x7e00), 0xea);
-    return _mm_mask_mov_epi16(h, nan, quiet);
-  }
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
@@ -217,7 +208,7 @@ TC_AVX512_INLINE void add_nonneg(typename W::V& s, typename W::V& c, typename W:
 
 // The target's storage bits and their exact float32 value `back`, from the
 // float32 f that Target::round(float) takes. NaNs are left as the rounding
-// instruction makes them (still NaN for float16, possibly not for bfloat16)
+// makes them (already final for float16, possibly not NaN for bfloat16)
 // until fix_nans().
 template <typename Target, typename W>
 struct Narrowed;
@@ -228,10 +219,8 @@ struct Narrowed<Float16Target, W> {
   typename W::V back;
 
   TC_AVX512_INLINE explicit Narrowed(typename W::V f) : bits(W::to_half(f)), back(W::from_half(bits)) {}
-  TC_AVX512_INLINE void fix_nans(typename W::Mask nan) {
-    bits = W::quiet_half_nans(bits, nan);
-    back = W::from_half(bits);
-  }
+  // vcvtps2ph already quiets a NaN the way half_bits_from_float does.
+  TC_AVX512_INLINE void fix_nans(typename W::Mask) {}
   TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, bits); }
   // Elements that may need the rare work: NaN, infinite, or a result below
   // the smallest normal float16 (magnitude 0x0400) that is not an exact zero.
@@ -249,17 +238,16 @@ template <typename W>
 struct Narrowed<BFloat16Target, W> {
   typename W::I bits;  // in 32-bit lanes
   typename W::V back;
-  typename W::I hi;
 
   TC_AVX512_INLINE explicit Narrowed(typename W::V f) {
     const typename W::I u = W::bits(f);
-    hi = W::template srli<16>(u);
+    const typename W::I hi = W::template srli<16>(u);
     const typename W::I odd = W::andi(hi, W::set1i(1));
     bits = W::template srli<16>(W::addi(W::addi(u, W::set1i(0x7fff)), odd));
     back = W::from_bits(W::template slli<16>(bits));
   }
   TC_AVX512_INLINE void fix_nans(typename W::Mask nan) {
-    bits = W::mask_ori(bits, nan, hi, W::set1i(0x40));
+    bits = W::mask_ori(bits, nan, W::set1i(0x7fc0), W::set1i(0));  // bfloat16_bits_from_float's NaN
     back = W::from_bits(W::template slli<16>(bits));
   }
   TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, W::narrow16(bits)); }

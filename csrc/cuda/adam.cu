@@ -230,6 +230,7 @@ void adam_step_tensor_lr_cuda(at::TensorList params, at::TensorList grads,
                               const std::optional<at::Tensor>& grad_scale,
                               const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
+  if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
   const Compensation mode =
       check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                       state_steps, amsgrad, compensation, grad_scale, found_inf);
