@@ -674,6 +674,84 @@ def assert_unchanged(opt, snap):
             assert_same_bits(opt.state[p][k], v, k)
 
 
+def full_snapshot(opt):
+    """Everything a step could change, deep-copied: every param, every state
+    entry (whatever its type) and the param groups' options."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return ([p.detach().clone() for p in params],
+            [copy.deepcopy(opt.state[p]) if p in opt.state else None for p in params],
+            [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+             for g in opt.param_groups],
+            len(opt.state))
+
+
+def assert_nothing_changed(opt, snap):
+    params, states, groups, n_states = snap
+    now = full_snapshot(opt)
+    for before, after in zip(params, now[0]):
+        assert_same_bits(after, before, "param")
+    assert_same_state(now[1], states)
+    assert_same_state(now[2], groups)
+    assert now[3] == n_states
+
+
+def corrupt(case, opt, params):
+    """Breaks group 1 (or the second dtype of group 0) after a good step, so
+    that a non-atomic step would update group 0 before failing."""
+    g1 = params[2]
+    if case == "exp_avg shape":
+        opt.state[g1]["exp_avg"] = torch.zeros(5)
+    elif case == "exp_avg dtype, second dtype of a group":
+        opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"].double()
+    elif case == "lr string":
+        opt.param_groups[1]["lr"] = "0.01"
+    elif case == "exp_avg None":
+        opt.state[g1]["exp_avg"] = None
+    elif case == "exp_avg list":
+        opt.state[g1]["exp_avg"] = [0.0] * 4
+    elif case == "expanded param":
+        opt.param_groups[1]["params"].append(params[3])
+    elif case == "expanded exp_avg":
+        opt.state[g1]["exp_avg"] = torch.zeros(1).expand(4)
+    elif case == "step on another dtype":
+        opt.state[g1]["step"] = torch.tensor(1, dtype=torch.int64)
+
+
+FAILED_STEP_CASES = ["exp_avg shape", "exp_avg dtype, second dtype of a group", "lr string",
+                     "exp_avg None", "exp_avg list", "expanded param", "expanded exp_avg",
+                     "step on another dtype"]
+
+
+@pytest.mark.parametrize("cls", [Adam, AdamW], ids=CLASS_IDS)
+@pytest.mark.parametrize("case", FAILED_STEP_CASES)
+def test_failed_step_changes_nothing(cls, case):
+    """A step that raises leaves every param, state entry and step count
+    bit for bit as it was, whichever group or dtype batch is bad."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen)),
+              torch.nn.Parameter(torch.randn(6, generator=gen).bfloat16()),
+              torch.nn.Parameter(torch.randn(4, generator=gen)),
+              torch.nn.Parameter(torch.randn(1, generator=gen).expand(4))]
+    opt = cls([{"params": params[:2]}, {"params": [params[2]], "lr": 0.01}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.step()
+    corrupt(case, opt, params)
+    snap = full_snapshot(opt)
+    with pytest.raises((RuntimeError, TypeError, ValueError)) as e:
+        opt.step()
+    assert_nothing_changed(opt, snap)
+    msg = str(e.value)
+    where = "param 0 of param group 1"
+    if case == "exp_avg dtype, second dtype of a group":
+        where = "param 1 of param group 0"
+    elif case == "expanded param":
+        where = "param 1 of param group 1"
+    elif case == "lr string":
+        where = "param group 1"
+    assert where in msg and "nothing was updated" in msg, msg
+
+
 @pytest.mark.parametrize("cls", [Adam, AdamW], ids=CLASS_IDS)
 def test_mismatched_grad_dtype_raises_before_anything_changes(cls):
     a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
@@ -764,8 +842,11 @@ def test_configuration_errors():
         Adam([p16], state_dtype=torch.float16)
     with pytest.raises(RuntimeError, match="capturable"):
         Adam([p16], capturable=True)
-    with pytest.raises(RuntimeError, match="differentiable"):
-        AdamW([p16], differentiable=True)
+    # differentiable=True runs torch's own step: the torchcast options do not apply
+    for kw in ({"compensated": True}, {"compensation": "remainder"},
+               {"state_dtype": torch.bfloat16}):
+        with pytest.raises(ValueError, match="differentiable=True.*" + next(iter(kw))):
+            AdamW([p16], differentiable=True, **kw)
 
 
 def test_nan_grads_are_left_to_the_user():
