@@ -613,6 +613,105 @@ def test_torch_state_dict_round_trip(cls, tcls):
         assert_close_to_torch([b], [r], rel=1e-5)
 
 
+def bad_state_dict(case, opt, params):
+    """opt's state dict, broken in one place (in param group 1 where it can)."""
+    sd = copy.deepcopy(opt.state_dict())
+    if case == "state is a string":
+        sd["state"][2] = "garbage"
+    elif case == "exp_avg shape":
+        sd["state"][2]["exp_avg"] = torch.zeros(5)
+    elif case == "exp_avg integer":
+        sd["state"][2]["exp_avg"] = torch.zeros(4, dtype=torch.int64)
+    elif case == "exp_avg None":
+        sd["state"][2]["exp_avg"] = None
+    elif case == "step string":
+        sd["state"][2]["step"] = "3"
+    elif case == "unknown key":
+        sd["state"][2]["momentum_buffer"] = torch.zeros(4)
+    elif case == "SGD state dict":
+        sgd = torch.optim.SGD([{"params": params[:2]}, {"params": [params[2]]}], lr=0.1,
+                              momentum=0.9)
+        sgd.step()
+        sd = sgd.state_dict()
+    elif case == "lr string":
+        sd["param_groups"][1]["lr"] = "0.01"
+    elif case == "remainder on float32":
+        sd["param_groups"][1]["compensation"] = "remainder"
+        sd["param_groups"][1]["compensated"] = True
+    elif case == "group count":
+        sd["param_groups"].pop()
+    return sd
+
+
+LOAD_CASES = {  # case -> what the message must name
+    "state is a string": "param 0 of param group 1", "exp_avg shape": "shape (5,)",
+    "exp_avg integer": "torch.int64", "exp_avg None": "'exp_avg'", "step string": "'step'",
+    "unknown key": "momentum_buffer", "SGD state dict": "momentum_buffer",
+    "lr string": "param group 1", "remainder on float32": "param 0 of param group 1",
+    "group count": "number of parameter groups"}
+
+
+@pytest.mark.parametrize("cls", [Adam, AdamW], ids=CLASS_IDS)
+@pytest.mark.parametrize("case", list(LOAD_CASES))
+def test_failed_load_state_dict_changes_nothing(cls, case):
+    """A state dict that does not fit raises a ValueError naming the param
+    (group and index) and what is wrong, and leaves the optimizer exactly as
+    it was: it still steps, as if the load had not been tried."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen)),
+              torch.nn.Parameter(torch.randn(6, generator=gen).bfloat16()),
+              torch.nn.Parameter(torch.randn(4, generator=gen))]
+    opt = cls([{"params": params[:2]}, {"params": [params[2]], "lr": 0.01}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.step()
+    sd = bad_state_dict(case, opt, params)
+    snap = full_snapshot(opt)
+    with pytest.raises(ValueError) as e:
+        opt.load_state_dict(sd)
+    assert LOAD_CASES[case] in str(e.value), str(e.value)
+    assert_nothing_changed(opt, snap)
+    assert all(type(s) is dict for s in opt.state.values())
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+
+
+def test_adamw_loading_adam_state_stays_adamw():
+    """As torch.optim.AdamW: a torch.optim.Adam state dict (decoupled_weight_decay
+    False) loaded into AdamW keeps the weight decay decoupled; 20 steps then
+    match torch.optim.AdamW loading the same dict."""
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(8, 3, generator=gen)),
+                torch.nn.Parameter(torch.randn(5, generator=gen))]
+    source = torch.optim.Adam(make(), lr=1e-2, weight_decay=0.5)
+    assert source.state_dict()["param_groups"][0]["decoupled_weight_decay"] is False
+    ours_p, theirs_p = make(), make()
+    ours = AdamW(ours_p, compensated=False)
+    theirs = torch.optim.AdamW(theirs_p)
+    ours.load_state_dict(source.state_dict())
+    theirs.load_state_dict(source.state_dict())
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
+    assert theirs.param_groups[0]["decoupled_weight_decay"] is True
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        for a, b in zip(ours_p, theirs_p):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        ours.step()
+        theirs.step()
+    assert_close_to_torch(ours_p, theirs_p)
+    # with weight decay 0.5 and lr 1e-2, L2 (Adam) and decoupled decay part ways
+    l2 = make()
+    l2_opt = torch.optim.Adam(l2, lr=1e-2, weight_decay=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        for a in l2:
+            a.grad = torch.randn(a.shape, generator=gen)
+        l2_opt.step()
+    assert (l2[0] - theirs_p[0]).abs().max() > 1e-3
+
+
 def test_switching_compensation_modes():
     """A loaded state brings its group options (as in torch); a group then
     switched to another mode drops the old mode's state and starts the new

@@ -17,6 +17,7 @@ _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads")
 _OWN_STATE_KEYS = ("compensation", "remainder")
+_KNOWN_STATE_KEYS = ("step",) + _MOMENTS + _OWN_STATE_KEYS
 # The state keys of a param, by (compensation mode, amsgrad).
 _STATE_KEYS = {
     (mode, ams): ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
@@ -566,14 +567,96 @@ class Adam(Optimizer):
         moments in this optimizer's state dtype, compensation in the param's,
         remainders in int16, the step count on the CPU. Loads a
         torch.optim.Adam/AdamW state too: compensation then starts at zero,
-        and compensation of a mode this optimizer does not use is dropped."""
-        pre = self.register_load_state_dict_pre_hook(_hide_states)
-        post = self.register_load_state_dict_post_hook(_adopt_states, prepend=True)
+        and compensation of a mode this optimizer does not use is dropped.
+
+        Args:
+            state_dict: from ``state_dict()`` of this class, or of
+                torch.optim.Adam/AdamW.
+
+        The whole dict is checked (param groups and their options, every
+        state entry's keys, shapes and dtypes against its param) before
+        anything is installed: a ValueError naming the param group, the
+        index in it and what is wrong leaves the optimizer as it was.
+        """
+        pre = self.register_load_state_dict_pre_hook(_check_and_adopt_states)
+        post = self.register_load_state_dict_post_hook(_unwrap_states, prepend=True)
         try:
             super().load_state_dict(state_dict)
         finally:
             pre.remove()
             post.remove()
+
+    def _loaded_groups(self, saved_groups):
+        """{saved param id: (group index, index in group, param, group as it
+        will be after loading)}, every saved group checked."""
+        name = type(self).__name__
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        out = {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            merged = dict(self.defaults)
+            merged.update(saved)
+            merged["params"] = group["params"]
+            try:
+                self._check_group(merged, gi)
+                for i, p in enumerate(group["params"]):
+                    self._check_param(merged, gi, i, p)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{name}.load_state_dict: {e}".replace(
+                    "nothing was updated", "nothing was loaded")) from None
+            for i, (p, pid) in enumerate(zip(group["params"], saved["params"])):
+                out[pid] = (gi, i, p, merged)
+        return out
+
+    def _check_loaded_state(self, group, gi, i, p, saved):
+        """One param's saved state fits it: a dict of known keys, tensors of
+        its shape and of a dtype kind that casts to the state's."""
+        name = type(self).__name__
+        where = f"{name}.load_state_dict: the state of {_describe(gi, i, p)}"
+        tail = "; nothing was loaded"
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where} is {_what(saved)}, expected a dict of its Adam state "
+                             f"({', '.join(_KNOWN_STATE_KEYS)}){tail}")
+        unknown = sorted(str(k) for k in saved if k not in _KNOWN_STATE_KEYS)
+        if unknown:
+            raise ValueError(f"{where} has {unknown}, which Adam does not keep (known: "
+                             f"{', '.join(_KNOWN_STATE_KEYS)}): is this the state dict of "
+                             f"another optimizer (torch.optim.SGD keeps 'momentum_buffer')?"
+                             f"{tail}")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if saved and k not in saved]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}{tail}")
+        for key, value in saved.items():
+            if key == "step":
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                    isinstance(value, torch.Tensor) and value.numel() == 1
+                    and not value.is_complex())
+                if not ok:
+                    raise ValueError(f"{where}: 'step' is {_what(value)}, expected a number "
+                                     f"or a one-element tensor{tail}")
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{where}: {key!r} is {_what(value)}, expected a tensor of "
+                                 f"shape {tuple(p.shape)}{tail}")
+            if value.shape != p.shape:
+                raise ValueError(f"{where}: {key!r} has shape {tuple(value.shape)} but the "
+                                 f"param has shape {tuple(p.shape)} (a state dict of another "
+                                 f"model, or params in another order?){tail}")
+            if value.layout != torch.strided:
+                raise ValueError(f"{where}: {key!r} is a {value.layout} tensor; optimizer "
+                                 f"states are dense{tail}")
+            if key == "remainder":
+                ok, want = value.dtype == torch.int16, "torch.int16"
+            elif p.is_complex():
+                ok, want = value.is_complex(), "a complex dtype (the param is complex)"
+            else:
+                ok, want = value.is_floating_point(), "a floating-point dtype"
+            if not ok:
+                raise ValueError(f"{where}: {key!r} is {value.dtype}, expected {want}"
+                                 f" (param: {p.dtype}){tail}")
 
     def _adopt(self, group, p, saved):
         mode = self._mode(group, _real_dtype(p))
@@ -657,15 +740,25 @@ def _like(p, value, dtype):
     return out
 
 
-def _hide_states(optimizer, state_dict):
-    state_dict["state"] = {k: _Loaded(v) for k, v in state_dict["state"].items()}
+def _check_and_adopt_states(optimizer, state_dict):
+    """Load pre-hook, the last one to run: checks the whole dict against the
+    optimizer and converts every param's state before torch installs any of
+    it (a failed load leaves the optimizer as it was). The converted states
+    travel wrapped in _Loaded, so that torch's load does not cast them again."""
+    targets = optimizer._loaded_groups(state_dict["param_groups"])
+    state = {}
+    for key, value in state_dict["state"].items():
+        if key not in targets:
+            state[key] = value  # not a param's state: torch keeps it as it is
+            continue
+        gi, i, p, group = targets[key]
+        optimizer._check_loaded_state(group, gi, i, p, value)
+        state[key] = _Loaded(optimizer._adopt(group, p, value))
+    state_dict["state"] = state
     return state_dict
 
 
-def _adopt_states(optimizer):
-    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+def _unwrap_states(optimizer):
     for key, value in list(optimizer.state.items()):
         if isinstance(value, _Loaded):
-            group = group_of.get(key)
-            optimizer.state[key] = (value.value if group is None
-                                    else optimizer._adopt(group, key, value.value))
+            optimizer.state[key] = value.value
