@@ -1340,3 +1340,23 @@ def test_mixed_dtypes_in_one_group_match_separate_groups():
 
 def test_exported_from_torchcast():
     assert torchcast.optim.Adam is Adam and "optim" in torchcast.__all__
+
+
+@pytest.mark.parametrize("cls,tcls", CLASSES, ids=CLASS_IDS)
+def test_differentiable_runs_torchs_step(cls, tcls):
+    """differentiable=True: torch's own step on the user's tensors, so the
+    result and the gradient through the step are torch's, bit for bit."""
+    results = []
+    for make in (cls, tcls):
+        x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        p = x.clone()  # a non-leaf param: allowed with differentiable=True
+        opt = make([p], lr=0.1, weight_decay=0.1, differentiable=True)
+        for k in range(3):
+            p.grad = torch.full((2, 3), 0.5 - k)
+            opt.step()
+        (p * torch.arange(6.0).reshape(2, 3)).sum().backward()
+        results.append((p.detach().clone(), x.grad.clone(),
+                        {k: v.clone() for k, v in opt.state[p].items()}))
+    assert_same_bits(results[0][0], results[1][0])
+    assert_same_bits(results[0][1], results[1][1])
+    assert_same_state(results[0][2], results[1][2])

@@ -330,6 +330,8 @@ class Adam(Optimizer):
                 if g is None:
                     continue
                 self._check_param(group, gi, i, p)
+                if group["fused"]:
+                    self._check_fused(gi, i, p)
                 g = self._checked_grad(group, gi, i, p, g)
                 self._check_writable(p, f"{_describe(gi, i, p)}")
                 state = self.state.get(p)
@@ -355,24 +357,21 @@ class Adam(Optimizer):
         except (TypeError, ValueError) as e:
             raise type(e)(f"torchcast.optim.{type(self).__name__}: param group {gi}: {e}; "
                           "nothing was updated") from None
-        if group["fused"] and group["params"]:
-            self._check_fused(group, gi)
 
-    def _check_fused(self, group, gi):
-        # torch's message (Optimizer._check_fused_param), and torchcast's own
-        # for a device torch supports but torchcast has no kernel for.
-        for i, p in enumerate(group["params"]):
-            if p.device.type not in _fused_devices() or not (p.is_floating_point()
-                                                                  or p.is_complex()):
-                raise RuntimeError(
-                    "`fused=True` requires all the params to be floating point Tensors of "
-                    f"supported devices: {_fused_devices()} but {p.dtype} and "
-                    f"{p.device.type} ({_describe(gi, i, p)}); nothing was updated")
-            if not _ops.has_kernel("adam_step_", p.device):
-                raise RuntimeError(
-                    f"torchcast.optim.{type(self).__name__}: fused=True but torchcast has no "
-                    f"compiled Adam kernel for {p.device.type} ({_describe(gi, i, p)}); pass "
-                    "fused=None to use the pure-PyTorch step there; nothing was updated")
+    def _check_fused(self, gi, i, p):
+        """fused=True and a param that is stepped: torch's error (and message)
+        where torch has no fused kernel, torchcast's own where torchcast has none."""
+        if p.device.type not in _fused_devices() or not (p.is_floating_point()
+                                                          or p.is_complex()):
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of "
+                f"supported devices: {_fused_devices()} but {p.dtype} and {p.device.type} "
+                f"({_describe(gi, i, p)}); nothing was updated")
+        if not _ops.has_kernel("adam_step_", p.device):
+            raise RuntimeError(
+                f"torchcast.optim.{type(self).__name__}: fused=True but torchcast has no "
+                f"compiled Adam kernel for {p.device.type} ({_describe(gi, i, p)}); pass "
+                "fused=None to use the pure-PyTorch step there; nothing was updated")
 
     def _checked_grad(self, group, gi, i, p, g):
         """The grad the step uses: checked, and cast under cast_grads."""
