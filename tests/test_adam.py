@@ -1360,3 +1360,43 @@ def test_differentiable_runs_torchs_step(cls, tcls):
     assert_same_bits(results[0][0], results[1][0])
     assert_same_bits(results[0][1], results[1][1])
     assert_same_state(results[0][2], results[1][2])
+
+
+def test_errors_name_param_group_and_index():
+    """Every error about one param names its group and its index in that
+    group (the kernel's own messages count params per dtype batch instead)."""
+    def opt_with(second_group_param, **group_kw):
+        first = torch.nn.Parameter(torch.randn(3))
+        other = torch.nn.Parameter(torch.randn(2))
+        return Adam([{"params": [first]}, {"params": [other, second_group_param], **group_kw}])
+
+    where = "param 1 of param group 1"
+    cases = []
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = opt_with(p)
+    p.grad = torch.randn(4)
+    opt.step()
+    opt.state[p]["exp_avg"] = torch.zeros(5)
+    cases.append(("exp_avg shape at step", opt.step))
+    p2 = torch.nn.Parameter(torch.randn(4))
+    opt2 = opt_with(p2)
+    p2.grad = torch.randn(4)
+    opt2.step()
+    opt2.state[p2]["exp_avg_sq"] = torch.zeros(4, dtype=torch.float64)
+    cases.append(("exp_avg_sq dtype at step", opt2.step))
+    p3 = torch.nn.Parameter(torch.randn(4).half())
+    # a group option is reported at the group's first param
+    cases.append(("bad compensation option", lambda: opt_with(p3, compensation="neumaier")))
+    cases.append(("bad state_dtype option", lambda: opt_with(p3, state_dtype=torch.float16)))
+    p4 = torch.nn.Parameter(torch.randn(4))
+    opt4 = opt_with(p4)
+    p4.grad = torch.randn(4)
+    opt4.step()
+    sd = opt4.state_dict()
+    sd["state"][2]["exp_avg"] = torch.zeros(5)
+    cases.append(("exp_avg shape at load", lambda: opt4.load_state_dict(sd)))
+    for name, fn in cases:
+        with pytest.raises((RuntimeError, TypeError, ValueError)) as e:
+            fn()
+        want = "param 0 of param group 1" if name.endswith("option") else where
+        assert want in str(e.value), (name, str(e.value))

@@ -251,10 +251,10 @@ class Adam(Optimizer):
             raise TypeError(f"torchcast.optim.{name}: {where} is not floating point; "
                             "only floating-point params can be optimized")
         if group["compensation"] not in ("kahan", "remainder"):
-            raise ValueError(f"torchcast.optim.{name}: compensation must be 'kahan' or "
+            raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan' or "
                              f"'remainder', got {group['compensation']!r}")
         if group["state_dtype"] not in _STATE_DTYPES:
-            raise ValueError(f"torchcast.optim.{name}: state_dtype must be None, "
+            raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype must be None, "
                              f"torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         dtype = _real_dtype(p)
         mode = self._mode(group, dtype)
