@@ -63,6 +63,17 @@ def _fused_devices():
     return _get_fused_kernels_supported_devices()
 
 
+_MISSING = object()
+_STEP_DTYPES = (torch.float32, torch.float64)
+
+
+def _overlaps(t):
+    """Whether two elements of t share memory (an expanded tensor: stride 0).
+    Called only for non-contiguous tensors; a DTensor is checked shard-wise
+    by its own ops."""
+    return not _is_dtensor(t) and torch._debug_has_internal_overlap(t) == 1
+
+
 def _what(value):
     """A value described for an error message."""
     if isinstance(value, torch.Tensor):
@@ -333,7 +344,8 @@ class Adam(Optimizer):
                 if group["fused"]:
                     self._check_fused(gi, i, p)
                 g = self._checked_grad(group, gi, i, p, g)
-                self._check_writable(p, f"{_describe(gi, i, p)}")
+                if not p.is_contiguous() and _overlaps(p):
+                    raise self._overlap_error(_describe(gi, i, p), p)
                 state = self.state.get(p)
                 if state:
                     self._check_state(group, gi, i, p, state)
@@ -398,54 +410,54 @@ class Adam(Optimizer):
                                "nothing was updated")
         return g
 
-    def _check_writable(self, t, what):
-        """t can be written elementwise: no two elements share memory (an
-        expanded tensor has stride 0), which the in-place update needs."""
-        if t.is_contiguous() or _is_dtensor(t):
-            return
-        if torch._debug_has_internal_overlap(t) == 1:
-            raise RuntimeError(
-                f"torchcast.optim.{type(self).__name__}: {what} has overlapping memory "
-                f"(strides {t.stride()}, e.g. an expanded tensor) and cannot be updated in "
-                "place; make it a tensor of its own with .clone(); nothing was updated")
-
     def _check_state(self, group, gi, i, p, state):
         """The param's existing state, as the step will use it. Missing
-        entries are fine (created on this step); present ones must fit."""
-        name = type(self).__name__
-        where = _describe(gi, i, p)
+        entries are fine (created on this step); present ones must fit. The
+        checks are attribute reads only; messages are built on failure."""
         if not isinstance(state, dict):
-            raise TypeError(f"torchcast.optim.{name}: the state of {where} is a "
-                            f"{type(state).__name__}, not a dict; nothing was updated")
+            raise TypeError(f"torchcast.optim.{type(self).__name__}: the state of "
+                            f"{_describe(gi, i, p)} is {_what(state)}, not a dict; nothing "
+                            "was updated")
         mode = self._mode(group, _real_dtype(p))
-        sd = self._state_dtype(group, p)
-        expected = {"exp_avg": sd, "exp_avg_sq": sd, "max_exp_avg_sq": sd,
-                    "compensation": p.dtype, "remainder": torch.int16}
+        moments = self._state_dtype(group, p)
+        shape, device = p.shape, p.device
         for key in _STATE_KEYS[(mode, bool(group["amsgrad"]))]:
-            t = state.get(key)
-            if t is None and key not in state:
+            t = state.get(key, _MISSING)
+            if t is _MISSING:
                 continue
             if key == "step":
-                if not (isinstance(t, torch.Tensor) and t.numel() == 1
-                        and t.device.type == "cpu"
-                        and t.dtype in (torch.float32, torch.float64)):
-                    raise TypeError(
-                        f"torchcast.optim.{name}: state 'step' of {where} must be a one-element "
-                        f"float32 or float64 CPU tensor, got {_what(t)}; nothing was updated")
+                if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in _STEP_DTYPES
+                        and t.numel() == 1):
+                    self._raise_bad_state(gi, i, p, key, t, None)
                 continue
-            want = expected[key]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"torchcast.optim.{name}: state '{key}' of {where} is "
-                                f"{_what(t)}, expected a {want} tensor of shape "
-                                f"{tuple(p.shape)}; nothing was updated")
-            if (t.layout is not torch.strided or t.shape != p.shape or t.dtype != want
-                    or t.device != p.device):
-                raise ValueError(
-                    f"torchcast.optim.{name}: state '{key}' of {where} is {_what(t)}, but "
-                    f"must be a dense {want} tensor of shape {tuple(p.shape)} on {p.device}; "
-                    "nothing was updated (was a state dict of another model loaded, or the "
-                    "state replaced by hand?)")
-            self._check_writable(t, f"state '{key}' of {where}")
+            want = (p.dtype if key == "compensation" else
+                    torch.int16 if key == "remainder" else moments)
+            if not (isinstance(t, torch.Tensor) and t.dtype == want and t.shape == shape
+                    and t.device == device and t.layout is torch.strided
+                    and (t.is_contiguous() or not _overlaps(t))):
+                self._raise_bad_state(gi, i, p, key, t, want)
+
+    def _raise_bad_state(self, gi, i, p, key, t, want):
+        name = type(self).__name__
+        where = f"state '{key}' of {_describe(gi, i, p)}"
+        if key == "step":
+            raise TypeError(f"torchcast.optim.{name}: {where} must be a one-element float32 "
+                            f"or float64 CPU tensor, got {_what(t)}; nothing was updated")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"torchcast.optim.{name}: {where} is {_what(t)}, expected a {want} "
+                            f"tensor of shape {tuple(p.shape)}; nothing was updated")
+        if t.layout is torch.strided and t.shape == p.shape and _overlaps(t):
+            raise self._overlap_error(where, t)
+        raise ValueError(
+            f"torchcast.optim.{name}: {where} is {_what(t)}, but must be a dense {want} tensor "
+            f"of shape {tuple(p.shape)} on {p.device}; nothing was updated (was a state dict "
+            "of another model loaded, or the state replaced by hand?)")
+
+    def _overlap_error(self, what, t):
+        return RuntimeError(
+            f"torchcast.optim.{type(self).__name__}: {what} has overlapping memory (strides "
+            f"{t.stride()}, e.g. an expanded tensor) and cannot be updated in place; make it "
+            "a tensor of its own with .clone(); nothing was updated")
 
     def step(self, closure=None):
         """One optimization step.
