@@ -46,8 +46,6 @@ from torch.testing._internal.common_utils import parametrize, TestCase
 
 import torchcast.optim
 
-TORCH_VERSION = torch.__version__
-
 
 def _swapped(cls):
     """torch's OptimizerInfo for torch.optim.<name>, with torchcast's class."""
