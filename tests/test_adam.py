@@ -613,6 +613,105 @@ def test_torch_state_dict_round_trip(cls, tcls):
         assert_close_to_torch([b], [r], rel=1e-5)
 
 
+def bad_state_dict(case, opt, params):
+    """opt's state dict, broken in one place (in param group 1 where it can)."""
+    sd = copy.deepcopy(opt.state_dict())
+    if case == "state is a string":
+        sd["state"][2] = "garbage"
+    elif case == "exp_avg shape":
+        sd["state"][2]["exp_avg"] = torch.zeros(5)
+    elif case == "exp_avg integer":
+        sd["state"][2]["exp_avg"] = torch.zeros(4, dtype=torch.int64)
+    elif case == "exp_avg None":
+        sd["state"][2]["exp_avg"] = None
+    elif case == "step string":
+        sd["state"][2]["step"] = "3"
+    elif case == "unknown key":
+        sd["state"][2]["momentum_buffer"] = torch.zeros(4)
+    elif case == "SGD state dict":
+        sgd = torch.optim.SGD([{"params": params[:2]}, {"params": [params[2]]}], lr=0.1,
+                              momentum=0.9)
+        sgd.step()
+        sd = sgd.state_dict()
+    elif case == "lr string":
+        sd["param_groups"][1]["lr"] = "0.01"
+    elif case == "remainder on float32":
+        sd["param_groups"][1]["compensation"] = "remainder"
+        sd["param_groups"][1]["compensated"] = True
+    elif case == "group count":
+        sd["param_groups"].pop()
+    return sd
+
+
+LOAD_CASES = {  # case -> what the message must name
+    "state is a string": "param 0 of param group 1", "exp_avg shape": "shape (5,)",
+    "exp_avg integer": "torch.int64", "exp_avg None": "'exp_avg'", "step string": "'step'",
+    "unknown key": "momentum_buffer", "SGD state dict": "momentum_buffer",
+    "lr string": "param group 1", "remainder on float32": "param 0 of param group 1",
+    "group count": "number of parameter groups"}
+
+
+@pytest.mark.parametrize("cls", [Adam, AdamW], ids=CLASS_IDS)
+@pytest.mark.parametrize("case", list(LOAD_CASES))
+def test_failed_load_state_dict_changes_nothing(cls, case):
+    """A state dict that does not fit raises a ValueError naming the param
+    (group and index) and what is wrong, and leaves the optimizer exactly as
+    it was: it still steps, as if the load had not been tried."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen)),
+              torch.nn.Parameter(torch.randn(6, generator=gen).bfloat16()),
+              torch.nn.Parameter(torch.randn(4, generator=gen))]
+    opt = cls([{"params": params[:2]}, {"params": [params[2]], "lr": 0.01}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.step()
+    sd = bad_state_dict(case, opt, params)
+    snap = full_snapshot(opt)
+    with pytest.raises(ValueError) as e:
+        opt.load_state_dict(sd)
+    assert LOAD_CASES[case] in str(e.value), str(e.value)
+    assert_nothing_changed(opt, snap)
+    assert all(type(s) is dict for s in opt.state.values())
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+
+
+def test_adamw_loading_adam_state_stays_adamw():
+    """As torch.optim.AdamW: a torch.optim.Adam state dict (decoupled_weight_decay
+    False) loaded into AdamW keeps the weight decay decoupled; 20 steps then
+    match torch.optim.AdamW loading the same dict."""
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(8, 3, generator=gen)),
+                torch.nn.Parameter(torch.randn(5, generator=gen))]
+    source = torch.optim.Adam(make(), lr=1e-2, weight_decay=0.5)
+    assert source.state_dict()["param_groups"][0]["decoupled_weight_decay"] is False
+    ours_p, theirs_p = make(), make()
+    ours = AdamW(ours_p, compensated=False)
+    theirs = torch.optim.AdamW(theirs_p)
+    ours.load_state_dict(source.state_dict())
+    theirs.load_state_dict(source.state_dict())
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
+    assert theirs.param_groups[0]["decoupled_weight_decay"] is True
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        for a, b in zip(ours_p, theirs_p):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad = a.grad.clone()
+        ours.step()
+        theirs.step()
+    assert_close_to_torch(ours_p, theirs_p)
+    # with weight decay 0.5 and lr 1e-2, L2 (Adam) and decoupled decay part ways
+    l2 = make()
+    l2_opt = torch.optim.Adam(l2, lr=1e-2, weight_decay=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        for a in l2:
+            a.grad = torch.randn(a.shape, generator=gen)
+        l2_opt.step()
+    assert (l2[0] - theirs_p[0]).abs().max() > 1e-3
+
+
 def test_switching_compensation_modes():
     """A loaded state brings its group options (as in torch); a group then
     switched to another mode drops the old mode's state and starts the new
@@ -672,6 +771,84 @@ def assert_unchanged(opt, snap):
         assert set(opt.state[p]) == set(state)
         for k, v in state.items():
             assert_same_bits(opt.state[p][k], v, k)
+
+
+def full_snapshot(opt):
+    """Everything a step could change, deep-copied: every param, every state
+    entry (whatever its type) and the param groups' options."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return ([p.detach().clone() for p in params],
+            [copy.deepcopy(opt.state[p]) if p in opt.state else None for p in params],
+            [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+             for g in opt.param_groups],
+            len(opt.state))
+
+
+def assert_nothing_changed(opt, snap):
+    params, states, groups, n_states = snap
+    now = full_snapshot(opt)
+    for before, after in zip(params, now[0]):
+        assert_same_bits(after, before, "param")
+    assert_same_state(now[1], states)
+    assert_same_state(now[2], groups)
+    assert now[3] == n_states
+
+
+def corrupt(case, opt, params):
+    """Breaks group 1 (or the second dtype of group 0) after a good step, so
+    that a non-atomic step would update group 0 before failing."""
+    g1 = params[2]
+    if case == "exp_avg shape":
+        opt.state[g1]["exp_avg"] = torch.zeros(5)
+    elif case == "exp_avg dtype, second dtype of a group":
+        opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"].double()
+    elif case == "lr string":
+        opt.param_groups[1]["lr"] = "0.01"
+    elif case == "exp_avg None":
+        opt.state[g1]["exp_avg"] = None
+    elif case == "exp_avg list":
+        opt.state[g1]["exp_avg"] = [0.0] * 4
+    elif case == "expanded param":
+        opt.param_groups[1]["params"].append(params[3])
+    elif case == "expanded exp_avg":
+        opt.state[g1]["exp_avg"] = torch.zeros(1).expand(4)
+    elif case == "step on another dtype":
+        opt.state[g1]["step"] = torch.tensor(1, dtype=torch.int64)
+
+
+FAILED_STEP_CASES = ["exp_avg shape", "exp_avg dtype, second dtype of a group", "lr string",
+                     "exp_avg None", "exp_avg list", "expanded param", "expanded exp_avg",
+                     "step on another dtype"]
+
+
+@pytest.mark.parametrize("cls", [Adam, AdamW], ids=CLASS_IDS)
+@pytest.mark.parametrize("case", FAILED_STEP_CASES)
+def test_failed_step_changes_nothing(cls, case):
+    """A step that raises leaves every param, state entry and step count
+    bit for bit as it was, whichever group or dtype batch is bad."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, generator=gen)),
+              torch.nn.Parameter(torch.randn(6, generator=gen).bfloat16()),
+              torch.nn.Parameter(torch.randn(4, generator=gen)),
+              torch.nn.Parameter(torch.randn(1, generator=gen).expand(4))]
+    opt = cls([{"params": params[:2]}, {"params": [params[2]], "lr": 0.01}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.step()
+    corrupt(case, opt, params)
+    snap = full_snapshot(opt)
+    with pytest.raises((RuntimeError, TypeError, ValueError)) as e:
+        opt.step()
+    assert_nothing_changed(opt, snap)
+    msg = str(e.value)
+    where = "param 0 of param group 1"
+    if case == "exp_avg dtype, second dtype of a group":
+        where = "param 1 of param group 0"
+    elif case == "expanded param":
+        where = "param 1 of param group 1"
+    elif case == "lr string":
+        where = "param group 1"
+    assert where in msg and "nothing was updated" in msg, msg
 
 
 @pytest.mark.parametrize("cls", [Adam, AdamW], ids=CLASS_IDS)
@@ -764,8 +941,11 @@ def test_configuration_errors():
         Adam([p16], state_dtype=torch.float16)
     with pytest.raises(RuntimeError, match="capturable"):
         Adam([p16], capturable=True)
-    with pytest.raises(RuntimeError, match="differentiable"):
-        AdamW([p16], differentiable=True)
+    # differentiable=True runs torch's own step: the torchcast options do not apply
+    for kw in ({"compensated": True}, {"compensation": "remainder"},
+               {"state_dtype": torch.bfloat16}):
+        with pytest.raises(ValueError, match="differentiable=True.*" + next(iter(kw))):
+            AdamW([p16], differentiable=True, **kw)
 
 
 def test_nan_grads_are_left_to_the_user():
@@ -1160,3 +1340,63 @@ def test_mixed_dtypes_in_one_group_match_separate_groups():
 
 def test_exported_from_torchcast():
     assert torchcast.optim.Adam is Adam and "optim" in torchcast.__all__
+
+
+@pytest.mark.parametrize("cls,tcls", CLASSES, ids=CLASS_IDS)
+def test_differentiable_runs_torchs_step(cls, tcls):
+    """differentiable=True: torch's own step on the user's tensors, so the
+    result and the gradient through the step are torch's, bit for bit."""
+    results = []
+    for make in (cls, tcls):
+        x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        p = x.clone()  # a non-leaf param: allowed with differentiable=True
+        opt = make([p], lr=0.1, weight_decay=0.1, differentiable=True)
+        for k in range(3):
+            p.grad = torch.full((2, 3), 0.5 - k)
+            opt.step()
+        (p * torch.arange(6.0).reshape(2, 3)).sum().backward()
+        results.append((p.detach().clone(), x.grad.clone(),
+                        {k: v.clone() for k, v in opt.state[p].items()}))
+    assert_same_bits(results[0][0], results[1][0])
+    assert_same_bits(results[0][1], results[1][1])
+    assert_same_state(results[0][2], results[1][2])
+
+
+def test_errors_name_param_group_and_index():
+    """Every error about one param names its group and its index in that
+    group (the kernel's own messages count params per dtype batch instead)."""
+    def opt_with(second_group_param, **group_kw):
+        first = torch.nn.Parameter(torch.randn(3))
+        other = torch.nn.Parameter(torch.randn(2))
+        return Adam([{"params": [first]}, {"params": [other, second_group_param], **group_kw}])
+
+    where = "param 1 of param group 1"
+    cases = []
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = opt_with(p)
+    p.grad = torch.randn(4)
+    opt.step()
+    opt.state[p]["exp_avg"] = torch.zeros(5)
+    cases.append(("exp_avg shape at step", opt.step))
+    p2 = torch.nn.Parameter(torch.randn(4))
+    opt2 = opt_with(p2)
+    p2.grad = torch.randn(4)
+    opt2.step()
+    opt2.state[p2]["exp_avg_sq"] = torch.zeros(4, dtype=torch.float64)
+    cases.append(("exp_avg_sq dtype at step", opt2.step))
+    p3 = torch.nn.Parameter(torch.randn(4).half())
+    # a group option is reported at the group's first param
+    cases.append(("bad compensation option", lambda: opt_with(p3, compensation="neumaier")))
+    cases.append(("bad state_dtype option", lambda: opt_with(p3, state_dtype=torch.float16)))
+    p4 = torch.nn.Parameter(torch.randn(4))
+    opt4 = opt_with(p4)
+    p4.grad = torch.randn(4)
+    opt4.step()
+    sd = opt4.state_dict()
+    sd["state"][2]["exp_avg"] = torch.zeros(5)
+    cases.append(("exp_avg shape at load", lambda: opt4.load_state_dict(sd)))
+    for name, fn in cases:
+        with pytest.raises((RuntimeError, TypeError, ValueError)) as e:
+            fn()
+        want = "param 0 of param group 1" if name.endswith("option") else where
+        assert want in str(e.value), (name, str(e.value))

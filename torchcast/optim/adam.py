@@ -17,6 +17,7 @@ _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads")
 _OWN_STATE_KEYS = ("compensation", "remainder")
+_KNOWN_STATE_KEYS = ("step",) + _MOMENTS + _OWN_STATE_KEYS
 # The state keys of a param, by (compensation mode, amsgrad).
 _STATE_KEYS = {
     (mode, ams): ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
@@ -24,6 +25,11 @@ _STATE_KEYS = {
     for mode in ("none", "kahan", "remainder") for ams in (False, True)
 }
 _DTENSOR = None  # torch.distributed.tensor.DTensor once looked up, False without it
+# torch's message names the hyperparameter this way (torch.optim.Adam.__init__).
+_INVALID = {"lr": "Invalid learning rate", "eps": "Invalid epsilon value",
+            "weight_decay": "Invalid weight_decay value",
+            "betas[0]": "Invalid beta parameter at index 0",
+            "betas[1]": "Invalid beta parameter at index 1"}
 
 
 def _real_dtype(t):
@@ -50,6 +56,67 @@ def _is_dtensor(t):
 
 def _describe(gi, i, p):
     return f"param {i} of param group {gi} (shape {tuple(p.shape)}, {p.dtype})"
+
+
+def _fused_devices():
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    return _get_fused_kernels_supported_devices()
+
+
+_MISSING = object()
+_STEP_DTYPES = (torch.float32, torch.float64)
+
+
+def _overlaps(t):
+    """Whether two elements of t share memory (an expanded tensor: stride 0).
+    Called only for non-contiguous tensors; a DTensor is checked shard-wise
+    by its own ops."""
+    return not _is_dtensor(t) and torch._debug_has_internal_overlap(t) == 1
+
+
+def _what(value):
+    """A value described for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def _check_number(key, value, below_one=False):
+    """A hyperparameter the step reads: a number in range, or a 1-element
+    tensor (whose value is not read here)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {key} must be 1-element")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{key} must be a number or a 1-element tensor, got {_what(value)}")
+    if not 0.0 <= value or (below_one and not value < 1.0):
+        raise ValueError(f"{_INVALID[key]}: {value}")
+
+
+def _check_foreach_tensors(lr, betas, foreach):
+    # torch.optim.Adam's rule and messages: its foreach step cannot take a
+    # tensor lr or tensor betas without capturable (which torchcast lacks).
+    if not foreach:
+        return
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor):
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                             "and foreach=True")
+
+
+def _check_differentiable_options(name, compensated, compensation, state_dtype):
+    """differentiable=True runs torch's own Adam step, which has none of the
+    torchcast options."""
+    bad = [f"{key}={value!r}" for key, value, default in (
+        ("compensated", compensated, (None, False)), ("compensation", compensation, ("kahan",)),
+        ("state_dtype", state_dtype, (None,))) if value not in default]
+    if bad:
+        raise ValueError(f"torchcast.optim.{name}: differentiable=True runs torch's own Adam "
+                         f"step, without compensation or other state dtypes; {', '.join(bad)} "
+                         "cannot be used with it (leave them at their defaults)")
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -106,7 +173,9 @@ class Adam(Optimizer):
     ``fused=False`` runs the pure-PyTorch reference step (same results) even
     where a compiled kernel exists; ``foreach`` is accepted for drop-in
     compatibility and changes nothing (there is one implementation per
-    device). ``capturable`` and ``differentiable`` are not supported.
+    device). ``differentiable=True`` runs torch's own single-tensor Adam step
+    (autograd sees through it), without the torchcast options; ``capturable``
+    is not supported.
     """
 
     # GradScaler passes grad_scale/found_inf and lets the step skip itself.
@@ -118,18 +187,23 @@ class Adam(Optimizer):
                  fused=None, capturable=False, differentiable=False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         name = type(self).__name__
+        _check_foreach_tensors(lr, betas, foreach)
         if capturable:
             raise RuntimeError(f"torchcast.optim.{name} does not support capturable=True "
                                "(CUDA graph capture); use torch.optim." + name)
+        if fused and differentiable:
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if differentiable:
-            raise RuntimeError(f"torchcast.optim.{name} does not support differentiable=True; "
-                               "use torch.optim." + name)
+            _check_differentiable_options(name, compensated, compensation, state_dtype)
         self._valid_configs = set()  # (options, dtype) already checked by _check_param
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, compensated=compensated,
                         compensation=compensation, state_dtype=state_dtype,
                         cast_grads=cast_grads, decoupled_weight_decay=decoupled_weight_decay,
-                        foreach=foreach, fused=fused, capturable=False, differentiable=False)
+                        foreach=foreach, fused=fused, capturable=False,
+                        differentiable=bool(differentiable))
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -155,6 +229,8 @@ class Adam(Optimizer):
     # -- configuration --------------------------------------------------------
 
     def _mode(self, group, dtype):
+        if group["differentiable"]:
+            return "none"
         on = group["compensated"]
         if on is None:
             on = dtype in _NARROW
@@ -162,25 +238,34 @@ class Adam(Optimizer):
 
     @staticmethod
     def _state_dtype(group, p):
+        if group["differentiable"]:
+            return p.dtype  # torch's own step keeps states in the param's dtype
         dtype = _real_dtype(p)
         sd = group["state_dtype"] if group["state_dtype"] is not None else torch.float32
         sd = sd if dtype in _NARROW else dtype
         return _COMPLEX_OF[sd] if p.is_complex() else sd
 
     def _check_param(self, group, gi, i, p):
-        key = (group["compensated"], group["compensation"], group["state_dtype"], p.dtype)
+        key = (group["compensated"], group["compensation"], group["state_dtype"], p.dtype,
+               group["differentiable"])
         if key in self._valid_configs:
             return
         name = type(self).__name__
         where = _describe(gi, i, p)
+        if group["differentiable"]:
+            try:
+                _check_differentiable_options(name, group["compensated"], group["compensation"],
+                                              group["state_dtype"])
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
         if not (p.is_floating_point() or p.is_complex()):
             raise TypeError(f"torchcast.optim.{name}: {where} is not floating point; "
                             "only floating-point params can be optimized")
         if group["compensation"] not in ("kahan", "remainder"):
-            raise ValueError(f"torchcast.optim.{name}: compensation must be 'kahan' or "
+            raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan' or "
                              f"'remainder', got {group['compensation']!r}")
         if group["state_dtype"] not in _STATE_DTYPES:
-            raise ValueError(f"torchcast.optim.{name}: state_dtype must be None, "
+            raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype must be None, "
                              f"torch.float32 or torch.bfloat16, got {group['state_dtype']}")
         dtype = _real_dtype(p)
         mode = self._mode(group, dtype)
@@ -241,52 +326,164 @@ class Adam(Optimizer):
 
     # -- step -----------------------------------------------------------------
 
-    def _checked_grads(self):
-        """(group, [(param, grad)]) for every group, every grad checked (and
-        cast under cast_grads) before anything is written."""
-        name = type(self).__name__
+    def _checked_work(self):
+        """(group, [(param, grad)]) for every group, with every hyperparameter,
+        grad, param and existing state checked (and grads cast under
+        cast_grads) before anything is written: a step that raises changes no
+        param, state or step count. Only Python attribute checks: no kernels,
+        no device synchronization."""
         work = []
         for gi, group in enumerate(self.param_groups):
+            self._check_group(group, gi)
             items = []
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
-                if g.layout != torch.strided:
-                    raise RuntimeError(
-                        f"torchcast.optim.{name} does not support sparse gradients "
-                        f"({_describe(gi, i, p)} has a {g.layout} grad), please consider "
-                        "torch.optim.SparseAdam instead")
                 self._check_param(group, gi, i, p)
-                if g.dtype != p.dtype or g.device != p.device:
-                    where = _describe(gi, i, p)
-                    if not group["cast_grads"]:
-                        raise RuntimeError(
-                            f"torchcast.optim.{name}: the grad of {where} is {g.dtype} on "
-                            f"{g.device} but the param is {p.dtype} on {p.device} (expected "
-                            f"scalar type {p.dtype} but found {g.dtype}); nothing was updated. "
-                            "Make the grad match its param, or pass cast_grads=True to cast "
-                            "it with torchcast.safe_to.")
-                    from ..cast import safe_to
-                    g = safe_to(g, p.dtype, name=f"grad of {where}").to(p.device)
-                if g.shape != p.shape:
-                    raise RuntimeError(f"torchcast.optim.{name}: the grad of "
-                                       f"{_describe(gi, i, p)} has shape {tuple(g.shape)}; "
-                                       "nothing was updated")
+                if group["fused"]:
+                    self._check_fused(gi, i, p)
+                g = self._checked_grad(group, gi, i, p, g)
+                if not p.is_contiguous() and _overlaps(p):
+                    raise self._overlap_error(_describe(gi, i, p), p)
+                state = self.state.get(p)
+                if state:
+                    self._check_state(group, gi, i, p, state)
                 items.append((p, g))
             work.append((group, items))
         return work
 
-    @torch.no_grad()
+    def _check_group(self, group, gi):
+        """The group's hyperparameters as the step will read them: they may
+        have been changed since construction (schedulers, user code). A
+        tensor's value is not read (that would be a kernel, or a device sync)."""
+        betas = group["betas"]
+        try:
+            if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+                raise TypeError(f"betas must be a pair, got {betas!r}")
+            _check_number("lr", group["lr"])
+            _check_number("betas[0]", betas[0], below_one=True)
+            _check_number("betas[1]", betas[1], below_one=True)
+            _check_number("eps", group["eps"])
+            _check_number("weight_decay", group["weight_decay"])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"torchcast.optim.{type(self).__name__}: param group {gi}: {e}; "
+                          "nothing was updated") from None
+
+    def _check_fused(self, gi, i, p):
+        """fused=True and a param that is stepped: torch's error (and message)
+        where torch has no fused kernel, torchcast's own where torchcast has none."""
+        if p.device.type not in _fused_devices() or not (p.is_floating_point()
+                                                          or p.is_complex()):
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of "
+                f"supported devices: {_fused_devices()} but {p.dtype} and {p.device.type} "
+                f"({_describe(gi, i, p)}); nothing was updated")
+        if not _ops.has_kernel("adam_step_", p.device):
+            raise RuntimeError(
+                f"torchcast.optim.{type(self).__name__}: fused=True but torchcast has no "
+                f"compiled Adam kernel for {p.device.type} ({_describe(gi, i, p)}); pass "
+                "fused=None to use the pure-PyTorch step there; nothing was updated")
+
+    def _checked_grad(self, group, gi, i, p, g):
+        """The grad the step uses: checked, and cast under cast_grads."""
+        name = type(self).__name__
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"torchcast.optim.{name} does not support sparse gradients "
+                f"({_describe(gi, i, p)} has a {g.layout} grad), please consider "
+                "torch.optim.SparseAdam instead")
+        if g.dtype != p.dtype or g.device != p.device:
+            where = _describe(gi, i, p)
+            if not group["cast_grads"]:
+                raise RuntimeError(
+                    f"torchcast.optim.{name}: the grad of {where} is {g.dtype} on "
+                    f"{g.device} but the param is {p.dtype} on {p.device} (expected "
+                    f"scalar type {p.dtype} but found {g.dtype}); nothing was updated. "
+                    "Make the grad match its param, or pass cast_grads=True to cast "
+                    "it with torchcast.safe_to.")
+            from ..cast import safe_to
+            g = safe_to(g, p.dtype, name=f"grad of {where}").to(p.device)
+        if g.shape != p.shape:
+            raise RuntimeError(f"torchcast.optim.{name}: the grad of "
+                               f"{_describe(gi, i, p)} has shape {tuple(g.shape)}; "
+                               "nothing was updated")
+        return g
+
+    def _check_state(self, group, gi, i, p, state):
+        """The param's existing state, as the step will use it. Missing
+        entries are fine (created on this step); present ones must fit. The
+        checks are attribute reads only; messages are built on failure."""
+        if not isinstance(state, dict):
+            raise TypeError(f"torchcast.optim.{type(self).__name__}: the state of "
+                            f"{_describe(gi, i, p)} is {_what(state)}, not a dict; nothing "
+                            "was updated")
+        mode = self._mode(group, _real_dtype(p))
+        moments = self._state_dtype(group, p)
+        shape, device = p.shape, p.device
+        for key in _STATE_KEYS[(mode, bool(group["amsgrad"]))]:
+            t = state.get(key, _MISSING)
+            if t is _MISSING:
+                continue
+            if key == "step":
+                if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in _STEP_DTYPES
+                        and t.numel() == 1):
+                    self._raise_bad_state(gi, i, p, key, t, None)
+                continue
+            want = (p.dtype if key == "compensation" else
+                    torch.int16 if key == "remainder" else moments)
+            if not (isinstance(t, torch.Tensor) and t.dtype == want and t.shape == shape
+                    and t.device == device and t.layout is torch.strided
+                    and (t.is_contiguous() or not _overlaps(t))):
+                self._raise_bad_state(gi, i, p, key, t, want)
+
+    def _raise_bad_state(self, gi, i, p, key, t, want):
+        name = type(self).__name__
+        where = f"state '{key}' of {_describe(gi, i, p)}"
+        if key == "step":
+            raise TypeError(f"torchcast.optim.{name}: {where} must be a one-element float32 "
+                            f"or float64 CPU tensor, got {_what(t)}; nothing was updated")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"torchcast.optim.{name}: {where} is {_what(t)}, expected a {want} "
+                            f"tensor of shape {tuple(p.shape)}; nothing was updated")
+        if t.layout is torch.strided and t.shape == p.shape and _overlaps(t):
+            raise self._overlap_error(where, t)
+        raise ValueError(
+            f"torchcast.optim.{name}: {where} is {_what(t)}, but must be a dense {want} tensor "
+            f"of shape {tuple(p.shape)} on {p.device}; nothing was updated (was a state dict "
+            "of another model loaded, or the state replaced by hand?)")
+
+    def _overlap_error(self, what, t):
+        return RuntimeError(
+            f"torchcast.optim.{type(self).__name__}: {what} has overlapping memory (strides "
+            f"{t.stride()}, e.g. an expanded tensor) and cannot be updated in place; make it "
+            "a tensor of its own with .clone(); nothing was updated")
+
     def step(self, closure=None):
-        """One optimization step; closure re-evaluates the model and returns the loss."""
+        """One optimization step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Everything is checked before anything is written: if the step raises,
+        no param, state or step count has changed.
+        """
+        # As torch's optimizers: gradients flow through the step only when
+        # the optimizer was built with differentiable=True.
+        with torch.set_grad_enabled(bool(self.defaults["differentiable"])):
+            return self._step(closure)
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for group, items in self._checked_grads():
+        for group, items in self._checked_work():
+            if group["differentiable"]:
+                self._torch_step(group, items, grad_scale, found_inf)
+                continue
             amsgrad = bool(group["amsgrad"])
             batches = {}  # (device, dtype, state dtype, mode) -> the op's seven lists
             for p, g in items:
@@ -318,6 +515,29 @@ class Adam(Optimizer):
                 self._launch(group, device, mode, lists, grad_scale, found_inf)
         return loss
 
+    def _torch_step(self, group, items, grad_scale, found_inf):
+        """differentiable=True: torch's own single-tensor Adam on this group's
+        tensors, so that autograd sees every operation (torchcast's kernel is
+        opaque to it). No compensation in this mode (checked at construction)."""
+        from torch.optim.adam import adam as torch_adam
+        lists = [[] for _ in range(6)]
+        for p, g in items:
+            state = self._state(group, p, "none")
+            for lst, t in zip(lists, (p, g, state["exp_avg"], state["exp_avg_sq"],
+                                      state.get("max_exp_avg_sq"), state["step"])):
+                if t is not None:
+                    lst.append(t)
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+        beta1, beta2 = group["betas"]
+        torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                   foreach=False, capturable=False, differentiable=True, fused=False,
+                   grad_scale=grad_scale, found_inf=found_inf,
+                   has_complex=any(p.is_complex() for p in params),
+                   decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+                   amsgrad=bool(group["amsgrad"]), beta1=beta1, beta2=beta2, lr=group["lr"],
+                   weight_decay=group["weight_decay"], eps=group["eps"],
+                   maximize=bool(group["maximize"]))
+
     def _launch(self, group, device, mode, lists, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -328,12 +548,7 @@ class Adam(Optimizer):
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device))
-        kernel = _ops.has_kernel("adam_step_", device)
-        if group["fused"] and not kernel:
-            raise RuntimeError(f"torchcast.optim.{type(self).__name__}: fused=True but "
-                               f"torchcast has no compiled Adam kernel for {device.type}; "
-                               "pass fused=None to use the pure-PyTorch step there")
-        if kernel and group["fused"] is not False:
+        if _ops.has_kernel("adam_step_", device) and group["fused"] is not False:
             if isinstance(lr, torch.Tensor):
                 lr = lr.to("cpu") if device.type == "cpu" else lr.to(device)
             _ops.adam_step_(*lists, lr=lr, **kwargs)
@@ -363,14 +578,96 @@ class Adam(Optimizer):
         moments in this optimizer's state dtype, compensation in the param's,
         remainders in int16, the step count on the CPU. Loads a
         torch.optim.Adam/AdamW state too: compensation then starts at zero,
-        and compensation of a mode this optimizer does not use is dropped."""
-        pre = self.register_load_state_dict_pre_hook(_hide_states)
-        post = self.register_load_state_dict_post_hook(_adopt_states, prepend=True)
+        and compensation of a mode this optimizer does not use is dropped.
+
+        Args:
+            state_dict: from ``state_dict()`` of this class, or of
+                torch.optim.Adam/AdamW.
+
+        The whole dict is checked (param groups and their options, every
+        state entry's keys, shapes and dtypes against its param) before
+        anything is installed: a ValueError naming the param group, the
+        index in it and what is wrong leaves the optimizer as it was.
+        """
+        pre = self.register_load_state_dict_pre_hook(_check_and_adopt_states)
+        post = self.register_load_state_dict_post_hook(_unwrap_states, prepend=True)
         try:
             super().load_state_dict(state_dict)
         finally:
             pre.remove()
             post.remove()
+
+    def _loaded_groups(self, saved_groups):
+        """{saved param id: (group index, index in group, param, group as it
+        will be after loading)}, every saved group checked."""
+        name = type(self).__name__
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        out = {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            merged = dict(self.defaults)
+            merged.update(saved)
+            merged["params"] = group["params"]
+            try:
+                self._check_group(merged, gi)
+                for i, p in enumerate(group["params"]):
+                    self._check_param(merged, gi, i, p)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{name}.load_state_dict: {e}".replace(
+                    "nothing was updated", "nothing was loaded")) from None
+            for i, (p, pid) in enumerate(zip(group["params"], saved["params"])):
+                out[pid] = (gi, i, p, merged)
+        return out
+
+    def _check_loaded_state(self, group, gi, i, p, saved):
+        """One param's saved state fits it: a dict of known keys, tensors of
+        its shape and of a dtype kind that casts to the state's."""
+        name = type(self).__name__
+        where = f"{name}.load_state_dict: the state of {_describe(gi, i, p)}"
+        tail = "; nothing was loaded"
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where} is {_what(saved)}, expected a dict of its Adam state "
+                             f"({', '.join(_KNOWN_STATE_KEYS)}){tail}")
+        unknown = sorted(str(k) for k in saved if k not in _KNOWN_STATE_KEYS)
+        if unknown:
+            raise ValueError(f"{where} has {unknown}, which Adam does not keep (known: "
+                             f"{', '.join(_KNOWN_STATE_KEYS)}): is this the state dict of "
+                             f"another optimizer (torch.optim.SGD keeps 'momentum_buffer')?"
+                             f"{tail}")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if saved and k not in saved]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}{tail}")
+        for key, value in saved.items():
+            if key == "step":
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                    isinstance(value, torch.Tensor) and value.numel() == 1
+                    and not value.is_complex())
+                if not ok:
+                    raise ValueError(f"{where}: 'step' is {_what(value)}, expected a number "
+                                     f"or a one-element tensor{tail}")
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"{where}: {key!r} is {_what(value)}, expected a tensor of "
+                                 f"shape {tuple(p.shape)}{tail}")
+            if value.shape != p.shape:
+                raise ValueError(f"{where}: {key!r} has shape {tuple(value.shape)} but the "
+                                 f"param has shape {tuple(p.shape)} (a state dict of another "
+                                 f"model, or params in another order?){tail}")
+            if value.layout != torch.strided:
+                raise ValueError(f"{where}: {key!r} is a {value.layout} tensor; optimizer "
+                                 f"states are dense{tail}")
+            if key == "remainder":
+                ok, want = value.dtype == torch.int16, "torch.int16"
+            elif p.is_complex():
+                ok, want = value.is_complex(), "a complex dtype (the param is complex)"
+            else:
+                ok, want = value.is_floating_point(), "a floating-point dtype"
+            if not ok:
+                raise ValueError(f"{where}: {key!r} is {value.dtype}, expected {want}"
+                                 f" (param: {p.dtype}){tail}")
 
     def _adopt(self, group, p, saved):
         mode = self._mode(group, _real_dtype(p))
@@ -436,6 +733,13 @@ class AdamW(Adam):
                          decoupled_weight_decay=True, foreach=foreach, fused=fused,
                          capturable=capturable, differentiable=differentiable)
 
+    def __setstate__(self, state):
+        # As torch.optim.AdamW: whatever state is loaded (a torch.optim.Adam
+        # one included), the weight decay stays decoupled.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
 
 def _like(p, value, dtype):
     """value as a state of p: p's device, the given dtype, p's memory order."""
@@ -447,15 +751,25 @@ def _like(p, value, dtype):
     return out
 
 
-def _hide_states(optimizer, state_dict):
-    state_dict["state"] = {k: _Loaded(v) for k, v in state_dict["state"].items()}
+def _check_and_adopt_states(optimizer, state_dict):
+    """Load pre-hook, the last one to run: checks the whole dict against the
+    optimizer and converts every param's state before torch installs any of
+    it (a failed load leaves the optimizer as it was). The converted states
+    travel wrapped in _Loaded, so that torch's load does not cast them again."""
+    targets = optimizer._loaded_groups(state_dict["param_groups"])
+    state = {}
+    for key, value in state_dict["state"].items():
+        if key not in targets:
+            state[key] = value  # not a param's state: torch keeps it as it is
+            continue
+        gi, i, p, group = targets[key]
+        optimizer._check_loaded_state(group, gi, i, p, value)
+        state[key] = _Loaded(optimizer._adopt(group, p, value))
+    state_dict["state"] = state
     return state_dict
 
 
-def _adopt_states(optimizer):
-    group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+def _unwrap_states(optimizer):
     for key, value in list(optimizer.state.items()):
         if isinstance(value, _Loaded):
-            group = group_of.get(key)
-            optimizer.state[key] = (value.value if group is None
-                                    else optimizer._adopt(group, key, value.value))
+            optimizer.state[key] = value.value
