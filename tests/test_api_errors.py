@@ -325,6 +325,33 @@ def test_torch_dispatch_subclass_raises_type_error(op):
         OPS[op](t)
 
 
+def test_traceable_wrapper_subclass_runs_through_its_own_dispatch():
+    """A subclass with __tensor_flatten__ (TwoTensor here; DTensor too) runs
+    the ops on its inner tensors; safe_to's stats merge theirs."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    a = torch.tensor([1.0, 1e6, 3.3, 1e-9], dtype=torch.float64)
+    b = torch.tensor([2.0, 7.1, -1e5, 0.0], dtype=torch.float64)
+    t = TwoTensor(a, b)
+    y = torchcast.safe_to(t, torch.float16, policy="record")
+    assert isinstance(y, TwoTensor)
+    assert torch.equal(y.a, torchcast.safe_to(a, torch.float16, policy="record"))
+    sa = torchcast.last_stats()
+    assert torch.equal(y.b, torchcast.safe_to(b, torch.float16, policy="record"))
+    sb = torchcast.last_stats()
+    torchcast.safe_to(t, torch.float16, policy="record")
+    assert torchcast.last_stats() == sa + sb
+    with pytest.raises(torchcast.PrecisionLossError, match="2 overflowed"):
+        torchcast.safe_to(t, torch.float16, policy="raise")
+    total = torchcast.kahan_sum(t)
+    assert isinstance(total, TwoTensor)
+    assert torch.equal(total.a, torchcast.kahan_sum(a)) and torch.equal(total.b, torchcast.kahan_sum(b))
+    y, stats = torchcast.cast_with_stats(t, torch.bfloat16)
+    assert isinstance(stats, TwoTensor)
+    assert torchcast.CastStats.from_tensor(stats) == (
+        torchcast.CastStats.from_tensor(torchcast.cast_with_stats(a, torch.bfloat16)[1])
+        + torchcast.CastStats.from_tensor(torchcast.cast_with_stats(b, torch.bfloat16)[1]))
+
+
 def test_parameter_and_fake_tensors_still_work():
     p = torch.nn.Parameter(torch.tensor([1.0, 1e6], dtype=torch.float64))
     y = torchcast.safe_to(p, torch.float16, policy="record")

@@ -1,8 +1,11 @@
 """The check, shared by safe_to, cast_with_stats and kahan_sum/kahan_mean, that
-x is a tensor kind the ops can take: a dense strided tensor (or a subclass
-without __torch_dispatch__, such as nn.Parameter)."""
+x is a tensor kind the ops can take: a dense strided tensor, a subclass
+without __torch_dispatch__ (such as nn.Parameter), or a traceable wrapper
+subclass (``__tensor_flatten__``, as torch.compile requires of subclasses),
+whose own __torch_dispatch__ runs the op on its inner tensors."""
 import torch
 from torch._C import _functorch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _STRIDED = torch.strided
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -53,11 +56,12 @@ def _reject(x, fn, vmap):
         raise TypeError(f"{fn}: x is a nested tensor; torchcast takes dense strided tensors "
                         "only: apply it to each component of .unbind()")
     cls = type(x)
-    if cls.__torch_dispatch__ is not _PLAIN_DISPATCH and not _is_tracing_tensor(x):
+    if (cls.__torch_dispatch__ is not _PLAIN_DISPATCH and not _is_tracing_tensor(x)
+            and not is_traceable_wrapper_subclass(x)):
         raise TypeError(
-            f"{fn}: x is a {cls.__qualname__}, a tensor subclass with __torch_dispatch__, which "
-            "torchcast cannot measure; pass its plain local data (e.g. DTensor.to_local()), "
-            "or use x.to(dtype) for an unmeasured cast")
+            f"{fn}: x is a {cls.__qualname__}, a tensor subclass with __torch_dispatch__ but no "
+            "__tensor_flatten__, so torchcast cannot reach the tensors it wraps; pass its plain "
+            "data, or use x.to(dtype) for an unmeasured cast")
     if not vmap and _functorch.is_functorch_wrapped_tensor(x):
         raise TypeError(
             f"{fn}: x is a tensor inside torch.vmap or another torch.func transform, whose "

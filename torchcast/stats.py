@@ -4,6 +4,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._reference import STAT_FIELDS
 
@@ -64,6 +65,7 @@ class CastStats:
                 cast_with_stats returns (ValueError for any other shape).
             src_dtype, dtype: the cast's dtypes, recorded in the result.
         """
+        stats = plain_stats(stats)
         if stats.dim() != 1 or stats.shape[0] != len(STAT_FIELDS):
             got = (f"got {stats.shape[0]}" if stats.dim() == 1
                    else f"got shape {tuple(stats.shape)}")
@@ -159,6 +161,18 @@ class PendingStats:
 _MAX_COLUMNS = [STAT_FIELDS.index(name) for name in _MAXIMA]
 _MAX_LO, _MAX_HI = min(_MAX_COLUMNS), max(_MAX_COLUMNS) + 1
 assert _MAX_HI - _MAX_LO == len(_MAX_COLUMNS), "the maxima must be adjacent in STAT_FIELDS"
+
+
+def plain_stats(stats):
+    """A plain stats tensor. The stats of a cast of a traceable wrapper
+    subclass (TwoTensor, DTensor, ...) come back wrapped, one stats tensor per
+    inner tensor: they merge into the stats of everything the subclass holds
+    (for a DTensor, this rank's shard)."""
+    if type(stats) is torch.Tensor or not is_traceable_wrapper_subclass(stats):
+        return stats
+    names, _ = stats.__tensor_flatten__()
+    inner = [plain_stats(getattr(stats, name)) for name in names]
+    return merge_stats_tensors(torch.stack(inner))
 
 
 def merge_stats_tensors(stacked):
