@@ -58,19 +58,25 @@ def kahan_sum(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
     """Sum of x over dim, like torch.sum.
 
     x may be float32, float16 or bfloat16 (accumulated in float32 with
-    Neumaier compensation) or float64 (accumulated in float64). The result has
-    x's dtype unless dtype (a floating dtype) says otherwise; it is the
-    compensated sum rounded once to that dtype, so dtype=torch.float64 keeps
-    the extra digits the compensation carries. Differentiable: the gradient
-    is grad broadcast back to x's shape, exactly.
+    Neumaier compensation) or float64 (accumulated in float64).
+    Differentiable: the gradient is grad broadcast back to x's shape, exactly.
 
     Args:
         x: a dense strided floating tensor (TypeError for sparse, quantized,
-            nested, mkldnn tensors and __torch_dispatch__ subclasses).
+            nested and mkldnn tensors, and for __torch_dispatch__ subclasses
+            without __tensor_flatten__).
         dim: an int, a tuple of ints, or None (or ()) for all dims; errors as
             torch.sum raises them.
         keepdim: keep the reduced dims with size 1.
-        dtype: the result's floating dtype (default: x's).
+        dtype: the result's dtype (x's by default). With torch.float64 the
+            sum is accumulated in float64: the result is
+            ``kahan_sum(x.to(torch.float64))`` bit for bit, so it overflows
+            only where a float64 sum does, as
+            ``torch.sum(x, dtype=torch.float64)``. Any other dtype only sets
+            the result's dtype: x's own values are summed and the result is
+            rounded once to dtype. Unlike torch.sum, x is not cast to dtype
+            first, so ``dtype=torch.bfloat16`` rounds the result, not every
+            element.
     """
     dims = _check_args("kahan_sum", x, dim, keepdim, dtype)
     return _ops.kahan_reduce(x, dims, keepdim, dtype, mean=False)
@@ -78,10 +84,12 @@ def kahan_sum(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
 
 def kahan_mean(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
                keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Mean of x over dim, like torch.mean: kahan_sum's compensated sum
-    divided by the count in float64, then rounded once to the result dtype.
+    """Mean of x over dim, like torch.mean: kahan_sum's sum divided by the
+    count in float64, then rounded once to the result dtype.
 
-    Args: as kahan_sum.
+    Args: as kahan_sum; with dtype=torch.float64 the result is
+    ``kahan_mean(x.to(torch.float64))`` bit for bit, as
+    ``torch.mean(x, dtype=torch.float64)`` sums in float64.
     """
     dims = _check_args("kahan_mean", x, dim, keepdim, dtype)
     return _ops.kahan_reduce(x, dims, keepdim, dtype, mean=True)
