@@ -81,6 +81,7 @@ def ddp_worker(rank, port, out_dir):
         state = {k: v for k, v in opt.state[next(model.parameters())].items()}
         torch.save({"params": [p.detach() for p in model.parameters()], "state": state},
                    os.path.join(out_dir, f"ddp{rank}.pt"))
+        dist.barrier()  # see fsdp_worker
     finally:
         dist.destroy_process_group()
 
@@ -106,6 +107,10 @@ def fsdp_worker(rank, port, out_dir):
         local = [p.to_local().numel() for p in model.parameters()]
         torch.save({"params": full, "states_sharded": states_sharded, "local": local},
                    os.path.join(out_dir, f"fsdp{rank}.pt"))
+        # Both ranks done before either tears gloo down: a rank that leaves
+        # while the other still talks to it can abort ("terminate called
+        # without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
