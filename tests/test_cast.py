@@ -189,6 +189,9 @@ def test_sum_within_1e6_of_fsum_at_2_24():
     assert abs(s.sum_abs_err - ref["sum_abs_err"]) <= 1e-6 * ref["sum_abs_err"]
 
 
+@pytest.mark.skipif(not _ops.WITH_EXTENSION, reason=(
+    "checks the compiled kernel's 64-bit indexing; the pure-PyTorch build materializes float64 "
+    "intermediates of the expanded input (over 16 GB at 2^31 elements)"))
 def test_more_than_2_31_elements():
     n = (1 << 31) + 5
     x = torch.tensor([1.0 + 2.0 ** -10], dtype=torch.float32).expand(n)  # 4 bytes of input

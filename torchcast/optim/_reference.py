@@ -6,7 +6,8 @@ FMAs), so this gives the kernel's bits on devices without a compiled kernel
 and serves the tests as the kernel's independent statement. One exception:
 torch's float64 sqrt is not correctly rounded on CPUs (SLEEF on AVX-512), so
 float64 params can differ from the kernel in the last bit of a step. Takes the
-op's arguments; the optimizer has checked them.
+op's arguments and checks them as csrc/adam_common.cpp does, before writing
+anything (as the op, in the build without the compiled extension).
 """
 import math
 from types import SimpleNamespace
@@ -123,10 +124,95 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
         c.copy_(lo)
 
 
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+               state_steps, amsgrad, compensation):
+    """The argument checks of csrc/adam_common.cpp (check_adam_args), with its
+    exception types and messages."""
+    def fail(kind, message):
+        raise kind(f"torchcast.adam_step_: {message}")
+
+    if compensation not in ("none", "kahan", "remainder"):
+        fail(ValueError, "compensation must be 'none', 'kahan' or 'remainder', got "
+                         f"'{compensation}'")
+    n = len(params)
+    for lst, want, what in ((grads, n, "grads"), (exp_avgs, n, "exp_avgs"),
+                            (exp_avg_sqs, n, "exp_avg_sqs"),
+                            (max_exp_avg_sqs, n if amsgrad else 0, "max_exp_avg_sqs"),
+                            (compensations, 0 if compensation == "none" else n, "compensations"),
+                            (state_steps, n, "state_steps")):
+        if len(lst) != want:
+            fail(ValueError, f"{want} {what} expected (one per param"
+                             f"{', none here' if want == 0 else ''}), got {len(lst)}")
+    if n == 0:
+        return
+    pt, st = params[0].dtype, exp_avgs[0].dtype
+    if pt not in (torch.float64, torch.float32) + _NARROW:
+        fail(TypeError, f"params must be float64, float32, bfloat16 or float16, got {pt}")
+    if compensation == "remainder" and pt != torch.bfloat16:
+        fail(TypeError, "compensation='remainder' stores float32 master weights as bfloat16 + "
+                        f"int16 and needs bfloat16 params, got {pt}; use compensation='kahan'")
+    if compensation == "kahan" and pt == torch.float64:
+        fail(TypeError, "compensation is for float32, bfloat16 and float16 params, got "
+                        "torch.float64")
+    if not (st in (torch.float32, torch.bfloat16) if pt in _NARROW else st == pt):
+        fail(TypeError, f"param 0 is {pt} but its optimizer states are {st}; supported: "
+                        "float32 or bfloat16 states for bfloat16/float16 params, the param's "
+                        "own dtype for float32/float64 params")
+
+    def same_shape(p, t, what, i):
+        if t.layout != torch.strided:
+            fail(ValueError, f"{what} {i} is not a dense tensor (layout {t.layout}); Adam does "
+                             "not support sparse gradients, use torch.optim.SparseAdam")
+        if t.shape != p.shape:
+            fail(ValueError, f"{what} {i} has shape {list(t.shape)} but its param has shape "
+                             f"{list(p.shape)}")
+        if t.device != p.device:
+            fail(RuntimeError, f"{what} {i} is on {t.device} but its param is on {p.device}")
+
+    comp_dtype = torch.int16 if compensation == "remainder" else pt
+    for i, p in enumerate(params):
+        if p.layout != torch.strided:
+            fail(ValueError, f"param {i} is not a dense tensor")
+        if p.device != params[0].device:
+            fail(RuntimeError, f"param {i} is on {p.device} but param 0 is on "
+                               f"{params[0].device}; one call steps one device")
+        if p.dtype != pt:
+            fail(TypeError, f"param {i} is {p.dtype} but param 0 is {pt}; one call steps one "
+                            "dtype group")
+        if grads[i].dtype != pt:
+            fail(TypeError, f"grad {i} is {grads[i].dtype} but its param is {pt}; cast the "
+                            "gradient to the param's dtype")
+        same_shape(p, grads[i], "grad", i)
+        moments = [("exp_avg", exp_avgs[i]), ("exp_avg_sq", exp_avg_sqs[i])]
+        if amsgrad:
+            moments.append(("max_exp_avg_sq", max_exp_avg_sqs[i]))
+        for what, t in moments:
+            if t.dtype != st:
+                fail(TypeError, f"{what} {i} is {t.dtype} but exp_avg 0 is {st}")
+            same_shape(p, t, what, i)
+        if compensation != "none":
+            if compensations[i].dtype != comp_dtype:
+                fail(TypeError, f"compensation {i} is {compensations[i].dtype} but must be "
+                                f"{comp_dtype}")
+            same_shape(p, compensations[i], "compensation", i)
+        step = state_steps[i]
+        if not (step.numel() == 1 and step.dtype in (torch.float32, torch.float64)):
+            fail(ValueError, f"state_step {i} must be a one-element float32 or float64 tensor, "
+                             f"got {step.dtype} with {step.numel()} elements")
+        if not step.is_cpu:
+            fail(RuntimeError, f"state_step {i} is on {step.device} but state steps must be on "
+                               "the CPU")
+
+
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
                decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
     """torch.ops.torchcast.adam_step_ in pure PyTorch."""
+    check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+               state_steps, amsgrad, compensation)
     if not params:
         return
     if found_inf is not None and found_inf.item() != 0:
