@@ -34,10 +34,10 @@ def reduce_dims(x, dim):
     """The sorted dims to reduce, with torch.sum's semantics: None or () for
     all, IndexError when out of range, RuntimeError when repeated."""
     nd = x.dim()
-    if nd > 64:  # torch.sum's limit, and the kernels' (kMaxAxes)
-        raise RuntimeError("only tensors with up to 64 dims are supported")
     if dim is None or len(dim) == 0:
         return list(range(nd))
+    if nd > 64:  # torch.sum's limit for a dim list (a 64-bit mask), and the kernels'
+        raise RuntimeError("only tensors with up to 64 dims are supported")
     lo, hi = (-1, 0) if nd == 0 else (-nd, nd - 1)
     seen = []
     for d in dim:

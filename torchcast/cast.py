@@ -281,8 +281,11 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     ``numel`` only), except inside torch.compile.
 
     Args:
-        x: a dense strided floating tensor (not sparse, quantized, nested,
-            inside torch.vmap, or a __torch_dispatch__ subclass: TypeError).
+        x: a dense strided floating tensor, or a traceable wrapper subclass
+            (``__tensor_flatten__``) whose own dispatch casts its inner
+            tensors (their stats are merged); sparse, quantized and nested
+            tensors, other __torch_dispatch__ subclasses and tensors inside
+            torch.vmap raise a TypeError.
         dtype: the target dtype; None means the active autocast dtype for x's
             device.
         policy: "ignore" (nothing but ``last_stats``), "record" (stats also go
