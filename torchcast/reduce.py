@@ -1,8 +1,9 @@
-"""Compensated float32 reductions: float64-class accuracy at float32 traffic.
+"""Compensated float32 reductions: results within about half an ulp of the
+exact sum, at float32 traffic.
 
 kahan_sum and kahan_mean take the arguments of torch.sum and torch.mean and
-accumulate in float32 with Neumaier compensation (float64 inputs in plain
-float64), in a fixed order that makes the result bit-identical whatever the
+accumulate in float32 with Neumaier compensation (float64 inputs, and any
+input with dtype=torch.float64, in plain float64), in a fixed order that makes the result bit-identical whatever the
 thread count (csrc/reduce_common.h)."""
 import operator
 from typing import List, Optional, Sequence, Union
