@@ -358,7 +358,7 @@ def main():
             torch.set_num_threads(threads)
             print(f"torch.set_num_threads({threads})")
             copy_gbs = protocol.copy_bandwidth(args.rounds, 1 << 26)
-            run.copy_bandwidth(copy_gbs, threads)
+            run.copy_bandwidth(copy_gbs, threads, 2 * 4 << 26)
             tables.append(speed(args.rounds, copy_gbs, threads, args, run))
             print(tables[-1], flush=True)
         run.write(os.path.join(RESULTS, "adam.md"), "\n\n".join(tables) + "\n")

@@ -169,7 +169,7 @@ def main():
             bandwidth = 2 * n * 4 / statistics.median(t["copy32"])
             copy_bw.setdefault(n, []).append(bandwidth)
             if n >= (1 << 25):
-                run.copy_bandwidth(bandwidth / 1e9, threads)
+                run.copy_bandwidth(bandwidth / 1e9, threads, 2 * 4 * n)
             moved = n * (x.element_size() + out.element_size())
             pair = f"{str(src_dtype)[6:]} → {str(dst_dtype)[6:]}"
             for label, ours, base in (

@@ -142,7 +142,7 @@ def main():
     torch.manual_seed(0)
     n = 1 << LOG2_N
     copy_gbs = protocol.copy_bandwidth(args.rounds, n)
-    run.copy_bandwidth(copy_gbs, torch.get_num_threads())
+    run.copy_bandwidth(copy_gbs, torch.get_num_threads(), 2 * 4 * n)
     # Uniform [0, 1) drawn in float64 and rounded, so that every value has a
     # full 24-bit mantissa (torch.rand's float32 values are multiples of
     # 2^-24, whose sum float64 holds exactly). The sum grows to 2^24, where

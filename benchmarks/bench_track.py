@@ -110,7 +110,7 @@ def main():
     opts = parser.parse_args()
     run = protocol.Run(opts.force)
     torch.set_num_threads(opts.threads)
-    run.copy_bandwidth(protocol.copy_bandwidth(opts.rounds), opts.threads)
+    run.copy_bandwidth(protocol.copy_bandwidth(opts.rounds), opts.threads, 2 * 4 << 25)
     command = "PYTHONPATH=. python " + " ".join(["benchmarks/bench_track.py"] + sys.argv[1:])
     # The float32 "small" step is the slowest by far (no bfloat16 matrix units): last.
     configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),

@@ -216,7 +216,7 @@ def main(argv=None):
     torch.set_num_threads(min(os.cpu_count() or 1, 16))
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:])
     copy_gbs = copy_bandwidth((1 << args.log2_size) * 4, args.rounds, args.warmup)
-    run.copy_bandwidth(copy_gbs, torch.get_num_threads())
+    run.copy_bandwidth(copy_gbs, torch.get_num_threads(), 2 * (4 << args.log2_size))
     rows = rows_for(args, copy_gbs) + reduce_rows(args, copy_gbs) + adam_rows(args, copy_gbs)
     table = markdown(rows, copy_gbs, command) + "\n" + run.summary() + "\n"
     print(table)

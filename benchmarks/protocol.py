@@ -3,7 +3,7 @@ records the load average before and after it, the copy bandwidth it
 measured, and writes its results file only when the machine was quiet.
 
     run = protocol.Run(args.force, device)     # before measuring anything
-    run.copy_bandwidth(gbs, threads)           # each copy bandwidth measured
+    run.copy_bandwidth(gbs, threads, nbytes)   # each copy bandwidth measured
     run.write(path, table)                     # refuses on a loaded machine
 """
 import json
@@ -62,17 +62,21 @@ class Run:
         self.device = str(device)
         self.load_before = load_average()
         self.cores = os.cpu_count() or 1
-        self.bandwidths = {}  # threads -> lowest GB/s measured in this run
+        self.bandwidths = {}  # (threads, bytes copied) -> lowest GB/s measured in this run
 
-    def machine(self, threads):
+    def machine(self, threads, nbytes):
+        """The key of a copy bandwidth: machine, threads and size (a copy's
+        bandwidth depends on its size even far past the caches)."""
         if self.device.startswith("cuda"):
             import torch
-            return f"{torch.cuda.get_device_name()}"
-        return f"{cpu_name()}, {self.cores} cores, {threads} threads"
+            return f"{torch.cuda.get_device_name()}, {nbytes} bytes"
+        return f"{cpu_name()}, {self.cores} cores, {threads} threads, {nbytes} bytes"
 
-    def copy_bandwidth(self, gbs, threads):
-        """Records a copy bandwidth (GB/s, read + write) measured in this run."""
-        self.bandwidths[threads] = min(gbs, self.bandwidths.get(threads, gbs))
+    def copy_bandwidth(self, gbs, threads, nbytes):
+        """Records a copy bandwidth (GB/s, read + write) of nbytes measured in
+        this run."""
+        key = (threads, nbytes)
+        self.bandwidths[key] = min(gbs, self.bandwidths.get(key, gbs))
 
     def _best(self):
         try:
@@ -88,8 +92,8 @@ class Run:
             found.append(f"the 1-minute load average was {self.load_before:.2f} before the run, "
                          f"over {MAX_LOAD_PER_CORE:g} per core ({self.cores} cores)")
         best = self._best()
-        for threads, gbs in sorted(self.bandwidths.items()):
-            seen = best.get(self.machine(threads))
+        for (threads, nbytes), gbs in sorted(self.bandwidths.items()):
+            seen = best.get(self.machine(threads, nbytes))
             if seen and gbs < MIN_BANDWIDTH_FRACTION * seen:
                 found.append(f"the copy bandwidth was {gbs:.1f} GB/s with {threads} threads, under "
                              f"half of the best this machine has shown ({seen:.1f} GB/s)")
@@ -98,7 +102,7 @@ class Run:
     def summary(self):
         """One line for the table: load before and after, copy bandwidth."""
         bandwidth = "; ".join(f"{gbs:.1f} GB/s with {t} threads"
-                              for t, gbs in sorted(self.bandwidths.items()))
+                              for (t, _), gbs in sorted(self.bandwidths.items()))
         return (f"1-minute load average {self.load_before:.2f} before, {load_average():.2f} "
                 f"after ({self.cores} cores); copy bandwidth in this run: {bandwidth or 'n/a'}.")
 
@@ -131,8 +135,8 @@ class Run:
     def _remember_bandwidth(self):
         best = self._best()
         changed = False
-        for threads, gbs in self.bandwidths.items():
-            key = self.machine(threads)
+        for (threads, nbytes), gbs in self.bandwidths.items():
+            key = self.machine(threads, nbytes)
             if gbs > best.get(key, 0.0):
                 best[key] = round(gbs, 2)
                 changed = True
