@@ -43,14 +43,18 @@ Axes coalesce(const Axes& in) {
 
 }  // namespace
 
-at::Tensor accumulation_input(const char* op, const at::Tensor& x,
-                              std::optional<at::ScalarType> dtype) {
-  check_dtypes(op, x, dtype);
+ReducePlan plan_accumulation(const char* op, at::Tensor& x, at::OptionalIntArrayRef dim,
+                             bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
+  ReducePlan plan = plan_reduce(op, x, dim, keepdim, dtype, mean);  // every argument checked
   // A float32 accumulator overflows past 3.4e38 even when the float64 result
   // would hold the sum; the float64 copy takes the plain float64 path that
-  // float64 inputs take, in its own canonical order.
-  if (dtype == at::kDouble && x.scalar_type() != at::kDouble) return x.to(at::kDouble);
-  return x;
+  // float64 inputs take, in its own canonical order. Copied only once the
+  // arguments are known to be good.
+  if (!plan.done && dtype == at::kDouble && x.scalar_type() != at::kDouble) {
+    x = x.to(at::kDouble);
+    plan = plan_reduce(op, x, dim, keepdim, dtype, mean);
+  }
+  return plan;
 }
 
 int64_t numel_of(const Axes& axes) {

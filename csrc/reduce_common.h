@@ -166,12 +166,12 @@ struct ReducePlan {
   Scheme scheme = Scheme::kFull;
 };
 
-// The tensor a kernel reduces: x itself, or x.to(torch.float64) when the
-// result is float64, so that dtype=torch.float64 accumulates in float64 (as
-// torch.sum's does) and never overflows where torch's does not. Checks the
-// dtypes first: a non-floating x is an error, not something to convert.
-at::Tensor accumulation_input(const char* op, const at::Tensor& x,
-                              std::optional<at::ScalarType> dtype);
+// plan_reduce for the tensor a kernel reduces, which replaces x: x itself, or
+// x.to(torch.float64) when the result is float64, so that dtype=torch.float64
+// accumulates in float64 (as torch.sum's does) and never overflows where
+// torch's does not. Every argument is checked before x is copied.
+ReducePlan plan_accumulation(const char* op, at::Tensor& x, at::OptionalIntArrayRef dim,
+                             bool keepdim, std::optional<at::ScalarType> dtype, bool mean);
 
 // Checks the arguments the way torch.sum / torch.mean do (same exception
 // types, dim errors from torch itself) and plans the reduction.

@@ -176,9 +176,11 @@ def kahan_reduce(x, dim, keepdim, dtype, mean):
     """kahan_sum (mean=False) or kahan_mean, bit for bit as the kernels."""
     op = "kahan_mean" if mean else "kahan_sum"
     check_dtypes(op, x, dtype)
-    if dtype == torch.float64:
-        x = x.to(torch.float64)  # accumulation_input: a float64 result accumulates in float64
     dims = reduce_dims(x, dim)
+    if dtype == torch.float64:
+        # plan_accumulation: a float64 result accumulates in float64, once
+        # the arguments are known to be good.
+        x = x.to(torch.float64)
     out_dtype = dtype or x.dtype
     shape = out_shape(x, dims, keepdim)
     kept, reduced, scheme = plan(x, dims)

@@ -411,8 +411,8 @@ void reduce_one_lane(const typename ReduceSource<scalar_t>::storage* x, const Ax
 
 at::Tensor kahan_reduce_cpu(const char* op, const at::Tensor& x_in, at::OptionalIntArrayRef dim,
                             bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
-  const at::Tensor x = accumulation_input(op, x_in, dtype);
-  ReducePlan plan = plan_reduce(op, x, dim, keepdim, dtype, mean);
+  at::Tensor x = x_in;
+  ReducePlan plan = plan_accumulation(op, x, dim, keepdim, dtype, mean);
   if (plan.done) return plan.out;
   const Writer write{plan.out.data_ptr(), plan.out.scalar_type(), static_cast<double>(plan.m),
                      mean};

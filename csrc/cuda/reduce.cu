@@ -312,8 +312,8 @@ void launch_reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) 
 at::Tensor kahan_reduce_cuda(const char* op, const at::Tensor& x_in, at::OptionalIntArrayRef dim,
                              bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = accumulation_input(op, x_in, dtype);
-  ReducePlan plan = plan_reduce(op, x, dim, keepdim, dtype, mean);
+  at::Tensor x = x_in;
+  ReducePlan plan = plan_accumulation(op, x, dim, keepdim, dtype, mean);
   if (plan.done) return plan.out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce_cuda",
                                   [&] { launch_reduce<scalar_t>(op, x, plan); });
