@@ -32,6 +32,7 @@ def check_input(x: torch.Tensor, fn: str, *, vmap: bool = True) -> None:
     per-call time is measured."""
     if type(x) is torch.Tensor:
         if x.layout is _STRIDED and not (x.is_quantized or x.is_nested):
+            # is_compiling() first: Dynamo cannot trace the functorch query.
             if vmap or torch.compiler.is_compiling() \
                     or not _functorch.is_functorch_wrapped_tensor(x):
                 return

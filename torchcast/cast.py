@@ -124,7 +124,7 @@ def _violation_message(x, y, s, rtol, atol, name, head=None, advice=None):
     found, so the elements breaking rtol/atol are counted here with composite
     ops rather than in the fused kernel. ``head`` and ``advice`` replace the
     head and the closing advice (torchcast.track names the cast's site)."""
-    integer = _is_integer(s.dtype)
+    integer = is_integer_dtype(s.dtype)
     parts = []
     if integer:
         fields = (("nan", "NaN"), ("overflow", "out of range or infinite"))
@@ -193,12 +193,12 @@ def _graph_cut_message(what, src_dtype, dtype):
 def _is_violation(s, rtol, atol):
     return bool(
         s.overflow or s.underflow or s.subnormal
-        or (s.nan and _is_integer(s.dtype))
+        or (s.nan and is_integer_dtype(s.dtype))
         or (rtol is not None and s.max_rel_err > rtol)
         or (atol is not None and s.max_abs_err > atol))
 
 
-def _is_integer(dtype):
+def is_integer_dtype(dtype):
     """Integer or bool (None: unknown, for merged stats)."""
     return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
 
@@ -324,9 +324,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
 
     if x.dtype == dtype:
         if not compiling:
-            pending = PendingStats(None, dtype, dtype)
-            pending._value = CastStats(dtype, dtype, numel=x.numel())
-            _local.last = pending
+            _local.last = PendingStats.known(CastStats(dtype, dtype, numel=x.numel()))
         return x
     if not (dtype.is_floating_point or dtype.is_complex) and x.is_floating_point():
         if x.requires_grad and pol in ("warn", "raise") and not compiling:

@@ -147,6 +147,13 @@ class PendingStats:
         self.dtype = dtype
         self._value = None
 
+    @classmethod
+    def known(cls, value):
+        """Stats already read (a cast that needs no pass, such as same-dtype)."""
+        pending = cls(None, value.src_dtype, value.dtype)
+        pending._value = value
+        return pending
+
     @property
     def value(self):
         if self._value is None:

@@ -528,7 +528,7 @@ class Record:
         if self.measured:
             found += [f"{getattr(s, f)} {f}" for f in ("overflow", "underflow", "subnormal")
                       if getattr(s, f)]
-            if s.nan and _cast._is_integer(self.dtype):  # safe_to to an integer/bool dtype
+            if s.nan and _cast.is_integer_dtype(self.dtype):  # safe_to to an integer/bool dtype
                 found.append(f"{s.nan} nan")
             if rtol is not None and s.max_rel_err > rtol:
                 found.append(f"max rel err > rtol={rtol:g}")
