@@ -1,5 +1,6 @@
 """torchcast.optim under DistributedDataParallel and FSDP2 (fully_shard):
 two CPU processes, gloo over 127.0.0.1, against one process on the whole batch."""
+import gc
 import os
 import socket
 
@@ -71,52 +72,57 @@ def single_process():
     return [p.detach() for p in model.parameters()]
 
 
-def ddp_worker(rank, port, out_dir):
+def run_worker(rank, train_fn, port, out_dir):
+    """Runs train_fn(rank, out_dir) in an initialised process group.
+
+    train_fn returns (and a collection frees any cycle) before the group is
+    torn down, so that DDP's reducer and FSDP's state, which hold the group,
+    die first; a group still referenced at
+    interpreter exit is destroyed with its gloo threads running, which aborts
+    the process ("terminate called without an active exception"). The barrier
+    keeps either rank from leaving while the other still talks to it.
+    """
     init(rank, port)
     try:
-        model = torch.nn.parallel.DistributedDataParallel(make_model())
-        opt = make_opt(model.parameters())
-        train(model, opt, [(x[rank * 8:rank * 8 + 8], y[rank * 8:rank * 8 + 8])
-                           for x, y in data()])
-        state = {k: v for k, v in opt.state[next(model.parameters())].items()}
-        torch.save({"params": [p.detach() for p in model.parameters()], "state": state},
-                   os.path.join(out_dir, f"ddp{rank}.pt"))
-        dist.barrier()  # see fsdp_worker
-    finally:
-        dist.destroy_process_group()
-
-
-def fsdp_worker(rank, port, out_dir):
-    init(rank, port)
-    try:
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor
-        model = make_model()
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-        opt = make_opt(model.parameters())
-        train(model, opt, [(x[rank * 8:rank * 8 + 8], y[rank * 8:rank * 8 + 8])
-                           for x, y in data()])
-        p0 = next(model.parameters())
-        assert isinstance(p0, DTensor)
-        states_sharded = all(isinstance(v, DTensor) for k, v in opt.state[p0].items()
-                             if k != "step")
-        full = [p.full_tensor().detach() for p in model.parameters()]
-        local = [p.to_local().numel() for p in model.parameters()]
-        torch.save({"params": full, "states_sharded": states_sharded, "local": local},
-                   os.path.join(out_dir, f"fsdp{rank}.pt"))
-        # Both ranks done before either tears gloo down: a rank that leaves
-        # while the other still talks to it can abort ("terminate called
-        # without an active exception").
+        train_fn(rank, out_dir)
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def ddp_train(rank, out_dir):
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    opt = make_opt(model.parameters())
+    train(model, opt, [(x[rank * 8:rank * 8 + 8], y[rank * 8:rank * 8 + 8]) for x, y in data()])
+    state = {k: v for k, v in opt.state[next(model.parameters())].items()}
+    torch.save({"params": [p.detach() for p in model.parameters()], "state": state},
+               os.path.join(out_dir, f"ddp{rank}.pt"))
+
+
+def fsdp_train(rank, out_dir):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = make_opt(model.parameters())
+    train(model, opt, [(x[rank * 8:rank * 8 + 8], y[rank * 8:rank * 8 + 8])
+                       for x, y in data()])
+    p0 = next(model.parameters())
+    assert isinstance(p0, DTensor)
+    states_sharded = all(isinstance(v, DTensor) for k, v in opt.state[p0].items()
+                         if k != "step")
+    full = [p.full_tensor().detach() for p in model.parameters()]
+    local = [p.to_local().numel() for p in model.parameters()]
+    torch.save({"params": full, "states_sharded": states_sharded, "local": local},
+               os.path.join(out_dir, f"fsdp{rank}.pt"))
+
+
 def test_ddp_two_processes_match_one(tmp_path):
-    run_two(ddp_worker, free_port(), str(tmp_path))
+    run_two(run_worker, ddp_train, free_port(), str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"ddp{r}.pt", weights_only=True) for r in (0, 1))
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)  # identical on both ranks, bit for bit
@@ -135,7 +141,7 @@ def test_fsdp2_two_processes_match_one(tmp_path):
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError:
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
-    run_two(fsdp_worker, free_port(), str(tmp_path))
+    run_two(run_worker, fsdp_train, free_port(), str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"fsdp{r}.pt", weights_only=True) for r in (0, 1))
     assert r0["states_sharded"] and r1["states_sharded"]
     # the (1, 16) layer is sharded unevenly: one rank steps an empty shard
