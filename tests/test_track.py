@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import torchcast
 from torchcast.stats import CastStats, merge_stats_tensors
-from torchcast.track import Record, Report
+from torchcast import Record, Report
 
 from track_ref import assert_stats_match, double_rounding_values, merge_refs, stats_of_cast
 
@@ -421,7 +421,7 @@ def _interception_state():
     return (torch._C._len_torch_dispatch_stack(), len(mod._global_forward_pre_hooks),
             len(mod._global_forward_hooks),
             torch._C._dispatch_has_kernel_for_dispatch_key("aten::_to_copy", "AutocastCPU"),
-            torch.set_autocast_enabled, torchcast.cast._trackers())
+            torch.set_autocast_enabled, torchcast.cast.recorders())
 
 
 def test_nothing_is_intercepted_outside_track():

@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-from .track import track
+from .tracker import track
 
 
 def build_parser():
