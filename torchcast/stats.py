@@ -1,10 +1,16 @@
-"""CastStats: what a cast lost, read from the stats tensor of cast_with_stats."""
+"""CastStats: what a cast lost, read from the stats tensor of cast_with_stats.
+
+CastStats' fields are the table of statistics: their order is the layout of
+every stats tensor (StatIndex in csrc/numerics.h), and each says how the
+values of two casts merge. STAT_FIELDS, the count/max/sum groups, CastStats'
+``+`` and the merging of stats tensors on the device are built from it."""
 import dataclasses
 import math
 from typing import Dict, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
 
 def _stat(merge, default):
     """A statistic of CastStats: ``merge`` says how the values of two casts
@@ -21,7 +27,9 @@ def short_dtype_name(dtype: Optional[torch.dtype]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CastStats:
-    """Statistics of one cast (or of several merged with ``+``).
+    """Statistics of one cast (or of several merged with ``+``), read from a
+    stats tensor with ``from_tensor``; ``torchcast.last_stats()`` and
+    ``Record.stats`` are CastStats.
 
     Counts are over the elements of x: ``nan`` (NaN in x), ``inexact`` (finite
     x whose y, widened back, differs; overflows included), ``overflow`` (finite
@@ -45,9 +53,7 @@ class CastStats:
 
     src_dtype: Optional[torch.dtype]
     dtype: Optional[torch.dtype]
-    # The table of statistics: every stats tensor holds them in this order,
-    # which is StatIndex's in csrc/numerics.h; each says how two casts merge.
-    # STAT_FIELDS, the merges of CastStats and of stats tensors follow it.
+    # The table of statistics (see the module docstring): StatIndex's order.
     numel: int = _stat("add", 0)
     nan: int = _stat("add", 0)
     inexact: int = _stat("add", 0)
@@ -169,8 +175,7 @@ class CastStats:
 
 
 _STATS = [f for f in dataclasses.fields(CastStats) if "merge" in f.metadata]
-STAT_FIELDS = tuple(f.name for f in _STATS)
-"""The statistics in the layout of a stats tensor (StatIndex in csrc/numerics.h)."""
+STAT_FIELDS = tuple(f.name for f in _STATS)  # the layout of a stats tensor
 COUNT_FIELDS = tuple(f.name for f in _STATS if f.type is int)
 MAX_FIELDS = tuple(f.name for f in _STATS if f.metadata["merge"] == "max")
 SUM_FIELDS = tuple(f.name for f in _STATS if f.type is float and f.metadata["merge"] == "add")

@@ -43,12 +43,14 @@ class _Recording:
 
     # -- safe_to's recorder (cast.add_recorder) ------------------------------------
     def record_safe_to(self, pending: PendingStats, name: Optional[str]) -> None:
+        """Records a safe_to at the user's line that called it."""
         file, line = user_site(sys._getframe(1), skip_own=True)
         key = (current_module(), file, line, "safe_to", name, pending.src_dtype, pending.dtype)
         merge_into(self.report, key, pending.tensor, measured=True)
 
     # -- the dispatch mode's recorder (mode.CastRecorder) --------------------------
     def add_cast(self, key: SiteKey, cast: MeasuredCast) -> None:
+        """Records a cast PyTorch performed, at site ``key``."""
         merge_into(self.report, key, cast.stats, measured=cast.measured,
                    numel=0 if cast.stats is not None else cast.numel,
                    graph_cuts=int(cast.graph_cut), imag=cast.imag,
@@ -56,6 +58,8 @@ class _Recording:
 
     def apply_policy(self, key: SiteKey, cast: MeasuredCast,
                      pending: Optional[PendingStats]) -> None:
+        """Warns (once per site) or raises if the cast is a violation and
+        the policy says so."""
         pol = self.policy or get_policy()
         if pol not in ("warn", "raise"):
             return

@@ -2,7 +2,7 @@
 torch and torchcast), and whether torchcast's own machinery did it (then it
 is not the user's cast: safe_to records itself)."""
 import os
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Optional, Tuple
 
 import torch
@@ -16,21 +16,21 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _OWN_MODULES = frozenset(("cast.py", "_ops.py", "stats.py", "nn.py", "_reference.py",
                           "_reference"))
 _USER, _SKIP, _OWN = 0, 1, 2
-_frame_kinds = {}
+_file_kinds = {}
 
 
-def _frame_kind(code: CodeType) -> int:
-    kind = _frame_kinds.get(code)
+def _file_kind(filename: str) -> int:
+    kind = _file_kinds.get(filename)
     if kind is None:
-        path = os.path.abspath(code.co_filename)
+        path = os.path.abspath(filename)
         if path.startswith(_PKG_DIR):
             first = path[len(_PKG_DIR):].split(os.sep, 1)[0]
             kind = _OWN if first in _OWN_MODULES else _SKIP
-        elif path.startswith(_TORCH_DIR) or code.co_filename.startswith("<frozen"):
+        elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
             kind = _SKIP
         else:
             kind = _USER
-        _frame_kinds[code] = kind
+        _file_kinds[filename] = kind
     return kind
 
 
@@ -48,7 +48,7 @@ def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Tuple[str,
         own code did the cast and ``skip_own`` is false.
     """
     while frame is not None:
-        kind = _frame_kind(frame.f_code)
+        kind = _file_kind(frame.f_code.co_filename)
         if kind == _USER:
             return frame.f_code.co_filename, frame.f_lineno
         if kind == _OWN and not skip_own:
