@@ -1,7 +1,7 @@
 """torchcast.audit on real models, each finding checked against what torch
 actually does (the reported failure really fails, the stated fix really
 works), the model and optimizer left untouched; and the
-``python -m torchcast audit`` command."""
+``python -m torchcast track`` command (also named ``audit``)."""
 import copy
 import json
 import os
@@ -294,7 +294,7 @@ def test_argument_errors():
         torchcast.audit(mlp(), torch.randn(2, 4), target=torch.zeros(2))
 
 
-# --- python -m torchcast audit -------------------------------------------------------------------
+# --- python -m torchcast track (or audit) ---------------------------------------------------------
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -355,10 +355,11 @@ def test_cli_bad_arguments(tmp_path, capsys):
         cli.main(["--policy", "loud", "x.py"])
 
 
-def test_python_dash_m_torchcast_audit(script):
+@pytest.mark.parametrize("command", ["track", "audit"])
+def test_python_dash_m_torchcast_track(script, command):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(torchcast.__file__)), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-m", "torchcast", "audit", "--top", "1", str(script),
+    run = subprocess.run([sys.executable, "-m", "torchcast", command, "--top", "1", str(script),
                           "--fail"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1
     assert "ValueError: the script failed" in run.stderr

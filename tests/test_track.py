@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+import sys
 import tempfile
 import warnings
 
@@ -18,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchcast
+from torchcast import Record, Report
 from torchcast.stats import CastStats, merge_stats_tensors
-from torchcast.track import Record, Report
+from torchcast.tracker.sites import user_site
 
 from track_ref import assert_stats_match, double_rounding_values, merge_refs, stats_of_cast
 
@@ -416,12 +418,34 @@ def test_nested_tracks_each_record_once():
     assert len(safe_only) == 0
 
 
+@pytest.mark.parametrize("module, own", [
+    ("cast.py", True), ("_ops.py", True), ("stats.py", True), ("nn.py", True),
+    ("_reference.py", True), (os.path.join("_reference", "cast.py"), True),
+    ("demo.py", False), ("reduce.py", False), (os.path.join("optim", "adam.py"), False),
+    (os.path.join("tracker", "mode.py"), False),
+])
+def test_casts_in_torchcast_own_modules_are_not_the_users(module, own):
+    """A cast made in safe_to's or the ops' modules (the _reference module or
+    package included) is torchcast's own; the rest of the package is walked
+    past, to the user's line that called it."""
+    path = os.path.join(os.path.dirname(os.path.abspath(torchcast.__file__)), module)
+    code = compile("site = user_site(sys._getframe(), skip_own=False)", path, "exec")
+    scope = {"user_site": user_site, "sys": sys}
+    line = here() + 1
+    exec(code, scope)
+    assert scope["site"] == (None if own else (HERE, line))
+    skipping = compile("site = user_site(sys._getframe(), skip_own=True)", path, "exec")
+    line = here() + 1
+    exec(skipping, scope)
+    assert scope["site"] == (HERE, line)
+
+
 def _interception_state():
     mod = torch.nn.modules.module
     return (torch._C._len_torch_dispatch_stack(), len(mod._global_forward_pre_hooks),
             len(mod._global_forward_hooks),
             torch._C._dispatch_has_kernel_for_dispatch_key("aten::_to_copy", "AutocastCPU"),
-            torch.set_autocast_enabled, torchcast.cast._trackers())
+            torch.set_autocast_enabled, torchcast.cast.recorders())
 
 
 def test_nothing_is_intercepted_outside_track():

@@ -14,8 +14,8 @@ __all__ = [
     "kahan_mean", "kahan_sum", "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
 ]
 
-# --- torchcast.track / torchcast.audit (issue 5) ---
-from .track import Record, Report, track  # noqa: E402
+# --- torchcast.track / torchcast.audit ---
+from .tracker import Record, Report, track  # noqa: E402
 from .audit import AuditReport, Finding, audit  # noqa: E402
 
 __all__ += ["AuditReport", "Finding", "Record", "Report", "audit", "track"]

@@ -1,11 +1,15 @@
-"""python -m torchcast {demo,audit} ..."""
+"""python -m torchcast {demo,track} ... (audit: another name for track)"""
 import sys
+
+from . import cli
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: python -m torchcast demo\n"
-             "       python -m torchcast audit [--json FILE] [--policy P] [--top N] SCRIPT.py [ARGS...]")
+             "       python -m torchcast track [--json FILE] [--policy P] [--top N] SCRIPT.py "
+             "[ARGS...]\n"
+             "       (audit: another name for track)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -14,8 +18,7 @@ def main(argv=None):
         from . import demo
         demo.run()
         return 0
-    if command == "audit":
-        from . import cli
+    if command in cli.COMMANDS:
         return cli.main(rest)
     print(f"unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2

@@ -7,10 +7,7 @@ compensated float32 sums, which it reduces in the canonical order described
 in csrc/numerics.h (chunks, lanes, then the block tree)."""
 import torch
 
-STAT_FIELDS = (
-    "numel", "nan", "inexact", "overflow", "underflow", "subnormal",
-    "max_abs_err", "max_rel_err", "sum_abs_err", "sum_sq_err", "sum_sq",
-)
+from .stats import STAT_FIELDS
 
 # Mirrors csrc/numerics.h.
 BLOCK_THREADS = 128

@@ -8,8 +8,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from .track import _autocast_on, _current_module, track
-from .stats import _short
+from .stats import short_dtype_name
+from .tracker import track
+from .tracker.modules import autocast_on, current_module
 
 _SEVERITIES = ("error", "warning", "info")
 
@@ -91,7 +92,7 @@ def _model_findings(model):
     named = list(model.named_parameters()) + list(model.named_buffers())
     found = []
     floating = _by_key([(n, t) for n, t in named if t.is_floating_point()],
-                       lambda t: _short(t.dtype))
+                       lambda t: short_dtype_name(t.dtype))
     if len(floating) > 1:
         major = max(floating, key=lambda k: len(floating[k]))
         found.append(Finding(
@@ -129,9 +130,9 @@ def _optimizer_findings(model, optimizer):
                 if value.dtype != p.dtype or value.device != p.device:
                     found.append(Finding(
                         "optimizer_state", "error", f"{name} state[{key!r}]",
-                        f"optimizer state is {_short(value.dtype)} on {value.device}, its "
-                        f"parameter {_short(p.dtype)} on {p.device}: the next step() fails or "
-                        "mixes precisions.",
+                        f"optimizer state is {short_dtype_name(value.dtype)} on {value.device}, "
+                        f"its parameter {short_dtype_name(p.dtype)} on {p.device}: the next "
+                        "step() fails or mixes precisions.",
                         "optimizer.load_state_dict(optimizer.state_dict()) casts every "
                         "state to its parameter's dtype and device; or build the optimizer "
                         "after model.to(...)/model.half()."))
@@ -165,7 +166,7 @@ def _target_findings(loss_fn, output, target, model):
     out_dtype = output.dtype if output is not None else next(
         (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     where = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    t, o = _short(target.dtype), _short(out_dtype)
+    t, o = short_dtype_name(target.dtype), short_dtype_name(out_dtype)
     if _is(loss_fn, _CLASS_INDEX_LOSSES):
         if target.is_floating_point():
             if output is None:
@@ -215,7 +216,7 @@ class _InputCheck:
         if not weights:
             return
         w = weights[0]
-        where = _current_module() or type(module).__name__
+        where = current_module() or type(module).__name__
         for i, x in enumerate(args):
             if not isinstance(x, torch.Tensor):
                 continue
@@ -225,16 +226,17 @@ class _InputCheck:
                     f"input {i} is on {x.device}, the weights of {type(module).__name__} on "
                     f"{w.device}.", f"move the batch once: x = x.to({str(w.device)!r}).")
             if (x.is_floating_point() and x.dtype != w.dtype
-                    and not _autocast_on(x.device.type)
+                    and not autocast_on(x.device.type)
                     and (where, "dtype") not in self.findings):
                 self.findings[(where, "dtype")] = Finding(
                     "input_dtype", "error", where,
-                    f"input {i} is {_short(x.dtype)}, the weights of {type(module).__name__} "
-                    f"{_short(w.dtype)}" + (" (float64 is what numpy arrays hold)"
-                                            if x.dtype == torch.float64 else "") + ".",
+                    f"input {i} is {short_dtype_name(x.dtype)}, the weights of "
+                    f"{type(module).__name__} {short_dtype_name(w.dtype)}"
+                    + (" (float64 is what numpy arrays hold)" if x.dtype == torch.float64 else "")
+                    + ".",
                     f"convert the data once where it is loaded: "
-                    f"torch.as_tensor(array, dtype=torch.{_short(w.dtype)}) (or "
-                    f"x.to(torch.{_short(w.dtype)})), not in every forward.")
+                    f"torch.as_tensor(array, dtype=torch.{short_dtype_name(w.dtype)}) (or "
+                    f"x.to(torch.{short_dtype_name(w.dtype)})), not in every forward.")
 
 
 def _cast_findings(report):
@@ -244,7 +246,7 @@ def _cast_findings(report):
         violations = r.violations(report.rtol, report.atol)
         if not violations and not (r.measured and s.inexact):
             continue
-        src, dst = _short(r.src_dtype), _short(r.dtype)
+        src, dst = short_dtype_name(r.src_dtype), short_dtype_name(r.dtype)
         what = f"{r.origin} {src}->{dst}, {r.calls} calls, {s.numel} elements"
         if r.graph_cuts:
             found.append(Finding(

@@ -4,14 +4,13 @@ import contextlib
 import numbers
 import threading
 import warnings
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from . import _ops
 from ._inputs import check_input
-from ._reference import STAT_FIELDS
-from .stats import CastStats, PendingStats
+from .stats import CastStats, PendingStats, stats_tensor
 
 POLICIES = ("ignore", "record", "warn", "raise")
 
@@ -35,7 +34,8 @@ _default_lock = threading.Lock()
 _local = threading.local()
 
 
-def _check_policy(name):
+def check_policy(name: str) -> str:
+    """``name`` if it is one of POLICIES, else ValueError."""
     if name not in POLICIES:
         raise ValueError(f"torchcast: unknown policy {name!r}; expected one of {POLICIES}")
     return name
@@ -44,7 +44,7 @@ def _check_policy(name):
 def set_policy(name):
     """Sets the process-wide default policy; returns the previous one."""
     global _default_policy
-    _check_policy(name)
+    check_policy(name)
     with _default_lock:
         previous, _default_policy = _default_policy, name
     return previous
@@ -58,7 +58,7 @@ def get_policy():
 @contextlib.contextmanager
 def policy(name):
     """Sets the policy for the block, in this thread only."""
-    _check_policy(name)
+    check_policy(name)
     stack = _local.__dict__.setdefault("policies", [])
     stack.append(name)
     try:
@@ -73,16 +73,24 @@ def last_stats():
     return pending.value if pending is not None else None
 
 
-def _trackers():
-    return getattr(_local, "trackers", ())
+# Recorders: callables that every safe_to of this thread whose policy is not
+# "ignore" reports to, as ``recorder(pending_stats, name)`` (torchcast.track's).
+
+def recorders() -> Tuple[Callable[[PendingStats, Optional[str]], None], ...]:
+    """The recorders active in this thread, outermost first."""
+    return getattr(_local, "recorders", ())
 
 
-def _push_tracker(tracker):
-    _local.trackers = _trackers() + (tracker,)
+def add_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
+    """Makes every later safe_to of this thread (policy not "ignore") call
+    ``recorder(pending_stats, name)`` until ``remove_recorder(recorder)``."""
+    _local.recorders = recorders() + (recorder,)
 
 
-def _pop_tracker(tracker):
-    _local.trackers = tuple(t for t in _trackers() if t is not tracker)
+def remove_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
+    """Undoes ``add_recorder(recorder)`` (``recorder`` or an equal callable,
+    such as the same bound method got again)."""
+    _local.recorders = tuple(r for r in recorders() if r != recorder)
 
 
 def _resolve_dtype(x, dtype):
@@ -119,11 +127,24 @@ def _describe(name):
     return f"safe_to({name})" if name else "safe_to"
 
 
-def _violation_message(x, y, s, rtol, atol, name, head=None, advice=None):
+def violation_message(x: torch.Tensor, y: torch.Tensor, s: CastStats, rtol: Optional[float],
+                      atol: Optional[float], name: Optional[str], head: Optional[str] = None,
+                      advice: Optional[str] = None) -> str:
     """Builds the report of a violating cast. Only runs when a violation was
     found, so the elements breaking rtol/atol are counted here with composite
-    ops rather than in the fused kernel. ``head`` and ``advice`` replace the
-    head and the closing advice (torchcast.track names the cast's site)."""
+    ops rather than in the fused kernel.
+
+    Args:
+        x, y: the cast's input and result.
+        s: the cast's stats.
+        rtol, atol: the tolerances checked (None: not checked).
+        name: safe_to's ``name`` of x (None: unnamed).
+        head, advice: replace the head and the closing advice
+            (torchcast.track names the cast's site).
+
+    Returns:
+        The message.
+    """
     integer = is_integer_dtype(s.dtype)
     parts = []
     if integer:
@@ -184,13 +205,18 @@ def _error_summary(s, integer):
     return head + f"; the other elements: {maxima})"
 
 
-def _graph_cut_message(what, src_dtype, dtype):
+def graph_cut_message(what: str, src_dtype: torch.dtype, dtype: torch.dtype) -> str:
+    """The message for a tensor that requires grad cast to an integer or bool
+    dtype; ``what`` names the cast."""
     return (f"{what}: casting a {src_dtype} tensor that requires grad to {dtype} cuts the "
             "autograd graph: the result has no gradient. Keep a floating copy for the loss, "
             "or detach() explicitly.")
 
 
-def _is_violation(s, rtol, atol):
+def is_violation(s: CastStats, rtol: Optional[float], atol: Optional[float]) -> bool:
+    """Whether stats ``s`` break the policy: any overflow, underflow or
+    subnormal result, NaN cast to an integer or bool, or an error beyond
+    ``rtol``/``atol`` (None: not checked)."""
     return bool(
         s.overflow or s.underflow or s.subnormal
         or (s.nan and is_integer_dtype(s.dtype))
@@ -250,7 +276,7 @@ def _integer_cast_stats(x, dtype):
         "sum_sq_err": (err * err).sum(),
         "sum_sq": torch.where(measured, xd * xd, zero).sum(),
     }
-    return torch.stack([values[f].to(torch.float64) for f in STAT_FIELDS])
+    return stats_tensor(values)
 
 
 def _act(pol, message, stats):
@@ -312,7 +338,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
         raise TypeError(f"torchcast.safe_to: x must be a torch.Tensor, got {type(x).__name__}")
     check_input(x, "torchcast.safe_to", vmap=False)
     dtype = _resolve_dtype(x, dtype)
-    pol = _check_policy(policy) if policy is not None else get_policy()
+    pol = check_policy(policy) if policy is not None else get_policy()
     if rtol is not None:
         rtol = check_tolerance(rtol, "rtol", "torchcast.safe_to")
     if atol is not None:
@@ -328,7 +354,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
         return x
     if not (dtype.is_floating_point or dtype.is_complex) and x.is_floating_point():
         if x.requires_grad and pol in ("warn", "raise") and not compiling:
-            _act(pol, _graph_cut_message(_describe(name), x.dtype, dtype), None)
+            _act(pol, graph_cut_message(_describe(name), x.dtype, dtype), None)
         y = x.to(dtype)
         if compiling:
             return y
@@ -341,12 +367,12 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     _local.last = pending
     if pol == "ignore":
         return y
-    for tracker in _trackers():
-        tracker._on_safe_to(pending, name)
+    for record in recorders():
+        record(pending, name)
     if pol in ("warn", "raise"):
         s = pending.value
-        if _is_violation(s, rtol, atol):
-            _act(pol, _violation_message(x, y, s, rtol, atol, name), s)
+        if is_violation(s, rtol, atol):
+            _act(pol, violation_message(x, y, s, rtol, atol, name), s)
     return y
 
 

@@ -1,21 +1,25 @@
-"""``python -m torchcast audit [--json FILE] [--policy P] [--top N] SCRIPT.py [ARGS...]``:
+"""``python -m torchcast track [--json FILE] [--policy P] [--top N] SCRIPT.py [ARGS...]``:
 runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
 prints the report (to stderr) when the script ends, also when it raises or
-calls sys.exit. The exit code is the script's (1 if it raised)."""
+calls sys.exit. The exit code is the script's (1 if it raised). ``audit`` is
+another name for the same command."""
 import argparse
 import os
 import runpy
 import sys
 import traceback
+from typing import List, Optional
 
 import torch
 
-from .track import track
+from .tracker import track
+
+COMMANDS = ("track", "audit")
 
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m torchcast audit",
+        prog="python -m torchcast track",
         description="Run a Python script under torchcast.track(all_casts=True): every cast "
                     "PyTorch performs is measured, attributed to its module and line, and "
                     "reported when the script ends. Options go before SCRIPT; everything "
@@ -61,16 +65,23 @@ def _print_script_error(exc, script):
     sys.stderr.write("".join(lines))
 
 
-def main(argv=None):
-    """Runs the audit command; argv are the arguments after ``audit``
-    (default: sys.argv[1:], without a leading "audit")."""
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the track command.
+
+    Args:
+        argv: the arguments after ``track`` (default: sys.argv[1:], without a
+            leading "track" or "audit").
+
+    Returns:
+        The script's exit code (1 if it raised, 2 if it is missing).
+    """
     if argv is None:
         argv = sys.argv[1:]
-        if argv[:1] == ["audit"]:
+        if argv[:1] and argv[0] in COMMANDS:
             argv = argv[1:]
     opts = build_parser().parse_args(argv)
     if not os.path.isfile(opts.script):
-        print(f"python -m torchcast audit: no such script: {opts.script}", file=sys.stderr)
+        print(f"python -m torchcast track: no such script: {opts.script}", file=sys.stderr)
         return 2
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [opts.script] + opts.args

@@ -1,25 +1,35 @@
-"""CastStats: what a cast lost, read from the stats tensor of cast_with_stats."""
+"""CastStats: what a cast lost, read from the stats tensor of cast_with_stats.
+
+CastStats' fields are the table of statistics: their order is the layout of
+every stats tensor (StatIndex in csrc/numerics.h), and each says how the
+values of two casts merge. STAT_FIELDS, the count/max/sum groups, CastStats'
+``+`` and the merging of stats tensors on the device are built from it."""
 import dataclasses
 import math
-from typing import Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._reference import STAT_FIELDS
 
-_COUNTS = ("numel", "nan", "inexact", "overflow", "underflow", "subnormal")
-_MAXIMA = ("max_abs_err", "max_rel_err")
-_SUMS = ("sum_abs_err", "sum_sq_err", "sum_sq")
+def _stat(merge, default):
+    """A statistic of CastStats: ``merge`` says how the values of two casts
+    combine ("add" or "max")."""
+    assert merge in ("add", "max")
+    return dataclasses.field(default=default, metadata={"merge": merge})
 
 
-def _short(dtype):
+def short_dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """``dtype`` without the "torch." prefix ("?" for None, a merge of
+    different dtypes)."""
     return str(dtype).replace("torch.", "") if dtype is not None else "?"
 
 
 @dataclasses.dataclass(frozen=True)
 class CastStats:
-    """Statistics of one cast (or of several merged with ``+``).
+    """Statistics of one cast (or of several merged with ``+``), read from a
+    stats tensor with ``from_tensor``; ``torchcast.last_stats()`` and
+    ``Record.stats`` are CastStats.
 
     Counts are over the elements of x: ``nan`` (NaN in x), ``inexact`` (finite
     x whose y, widened back, differs; overflows included), ``overflow`` (finite
@@ -43,17 +53,18 @@ class CastStats:
 
     src_dtype: Optional[torch.dtype]
     dtype: Optional[torch.dtype]
-    numel: int = 0
-    nan: int = 0
-    inexact: int = 0
-    overflow: int = 0
-    underflow: int = 0
-    subnormal: int = 0
-    max_abs_err: float = 0.0
-    max_rel_err: float = 0.0
-    sum_abs_err: float = 0.0
-    sum_sq_err: float = 0.0
-    sum_sq: float = 0.0
+    # The table of statistics (see the module docstring): StatIndex's order.
+    numel: int = _stat("add", 0)
+    nan: int = _stat("add", 0)
+    inexact: int = _stat("add", 0)
+    overflow: int = _stat("add", 0)
+    underflow: int = _stat("add", 0)
+    subnormal: int = _stat("add", 0)
+    max_abs_err: float = _stat("max", 0.0)
+    max_rel_err: float = _stat("max", 0.0)
+    sum_abs_err: float = _stat("add", 0.0)
+    sum_sq_err: float = _stat("add", 0.0)
+    sum_sq: float = _stat("add", 0.0)
 
     @classmethod
     def from_tensor(cls, stats: torch.Tensor, src_dtype: Optional[torch.dtype] = None,
@@ -64,6 +75,9 @@ class CastStats:
             stats: the 1-D tensor of ``len(STAT_FIELDS)`` values that
                 cast_with_stats returns (ValueError for any other shape).
             src_dtype, dtype: the cast's dtypes, recorded in the result.
+
+        Returns:
+            The CastStats those values describe.
         """
         stats = plain_stats(stats)
         if stats.dim() != 1 or stats.shape[0] != len(STAT_FIELDS):
@@ -72,17 +86,33 @@ class CastStats:
             raise ValueError(
                 f"CastStats.from_tensor: stats must be a 1-D tensor, as cast_with_stats returns "
                 f"it: expected {len(STAT_FIELDS)} values ({', '.join(STAT_FIELDS)}), {got}")
-        values = stats.detach().to("cpu", torch.float64).tolist()
+        return cls.from_values(stats.detach().to("cpu", torch.float64).tolist(), src_dtype, dtype)
+
+    @classmethod
+    def from_values(cls, values: Sequence[float], src_dtype: Optional[torch.dtype] = None,
+                    dtype: Optional[torch.dtype] = None) -> "CastStats":
+        """The CastStats of a stats tensor's values, already on the host.
+
+        Args:
+            values: ``len(STAT_FIELDS)`` numbers in the order of STAT_FIELDS
+                (counts may be floats: they are made ints).
+            src_dtype, dtype: the cast's dtypes, recorded in the result.
+
+        Returns:
+            The CastStats those values describe.
+        """
         fields = dict(zip(STAT_FIELDS, values))
-        for name in _COUNTS:
+        for name in COUNT_FIELDS:
             fields[name] = int(fields[name])
         return cls(src_dtype, dtype, **fields)
 
-    def __add__(self, other):
+    def __add__(self, other: "CastStats") -> "CastStats":
+        """The stats of both casts together: counts and sums add, maxima take
+        the larger; a dtype that differs between the two becomes None."""
         if not isinstance(other, CastStats):
             return NotImplemented
-        merged = {name: getattr(self, name) + getattr(other, name) for name in _COUNTS + _SUMS}
-        for name in _MAXIMA:
+        merged = {name: getattr(self, name) + getattr(other, name) for name in _ADDED}
+        for name in MAX_FIELDS:
             merged[name] = max(getattr(self, name), getattr(other, name))
         src = self.src_dtype if self.src_dtype == other.src_dtype else None
         dst = self.dtype if self.dtype == other.dtype else None
@@ -95,7 +125,7 @@ class CastStats:
         return NotImplemented
 
     @property
-    def sqnr_db(self):
+    def sqnr_db(self) -> float:
         """Signal-to-quantization-noise ratio, 10 log10(sum x^2 / sum (x-y)^2):
         -inf if any element overflowed (an infinite error), NaN when a float32
         sum overflowed (|x| beyond about 1e19)."""
@@ -110,10 +140,17 @@ class CastStats:
         return 10.0 * math.log10(self.sum_sq / self.sum_sq_err)
 
     @property
-    def lossless(self):
+    def lossless(self) -> bool:
+        """Nothing inexact, overflowed or underflowed: y holds x exactly."""
         return self.inexact == 0 and self.overflow == 0 and self.underflow == 0
 
-    def to_dict(self):
+    def to_dict(self) -> dict:
+        """The fields as a dict, dtypes as strings, with ``sqnr_db`` added.
+
+        Returns:
+            {"src_dtype": ..., "dtype": ..., one entry per STAT_FIELDS name,
+            "sqnr_db": ...}.
+        """
         d = dataclasses.asdict(self)
         d["src_dtype"] = str(self.src_dtype) if self.src_dtype is not None else None
         d["dtype"] = str(self.dtype) if self.dtype is not None else None
@@ -131,46 +168,75 @@ class CastStats:
                 maxima = (f"max abs err inf, max rel err inf ({self.overflow} overflowed; the "
                           f"others: {self.max_abs_err:.3g}, {self.max_rel_err:.3g})")
         return (
-            f"{_short(self.src_dtype)}->{_short(self.dtype)}: {self.numel} elements, "
+            f"{short_dtype_name(self.src_dtype)}->{short_dtype_name(self.dtype)}: "
+            f"{self.numel} elements, "
             f"{self.inexact} inexact, {self.overflow} overflow, {self.underflow} underflow, "
             f"{self.subnormal} subnormal, {self.nan} nan, {maxima}, SQNR {self.sqnr_db:.1f} dB")
 
 
+_STATS = [f for f in dataclasses.fields(CastStats) if "merge" in f.metadata]
+STAT_FIELDS = tuple(f.name for f in _STATS)  # the layout of a stats tensor
+COUNT_FIELDS = tuple(f.name for f in _STATS if f.type is int)
+MAX_FIELDS = tuple(f.name for f in _STATS if f.metadata["merge"] == "max")
+SUM_FIELDS = tuple(f.name for f in _STATS if f.type is float and f.metadata["merge"] == "add")
+_ADDED = tuple(f.name for f in _STATS if f.metadata["merge"] == "add")
+
+
 class PendingStats:
-    """A stats tensor not yet read: reading it (``.value``) synchronizes once."""
+    """A stats tensor not yet read: reading it (``.value``) synchronizes once.
+
+    Args:
+        tensor: the stats tensor (None for ``known`` stats).
+        src_dtype, dtype: the cast's dtypes.
+    """
 
     __slots__ = ("tensor", "src_dtype", "dtype", "_value")
 
-    def __init__(self, tensor, src_dtype, dtype):
+    def __init__(self, tensor: Optional[torch.Tensor], src_dtype: Optional[torch.dtype],
+                 dtype: Optional[torch.dtype]):
         self.tensor = tensor
         self.src_dtype = src_dtype
         self.dtype = dtype
         self._value = None
 
     @classmethod
-    def known(cls, value):
+    def known(cls, value: CastStats) -> "PendingStats":
         """Stats already read (a cast that needs no pass, such as same-dtype)."""
         pending = cls(None, value.src_dtype, value.dtype)
         pending._value = value
         return pending
 
     @property
-    def value(self):
+    def value(self) -> CastStats:
+        """The CastStats, read from the tensor on first use."""
         if self._value is None:
             self._value = CastStats.from_tensor(self.tensor, self.src_dtype, self.dtype)
         return self._value
 
 
 # ---------------------------------------------------------------------------
-# Merging stats tensors on the device (torchcast.track): the tensor form of
-# CastStats.__add__, so that merged stats stay on the device until read.
+# Stats tensors on the device (torchcast.track): built and merged by the
+# table above, so that merged stats stay on the device until read.
 
-_MAX_COLUMNS = [STAT_FIELDS.index(name) for name in _MAXIMA]
+_MAX_COLUMNS = [STAT_FIELDS.index(name) for name in MAX_FIELDS]
 _MAX_LO, _MAX_HI = min(_MAX_COLUMNS), max(_MAX_COLUMNS) + 1
+# One slice assignment merges them (an index list would be a slower index_put).
 assert _MAX_HI - _MAX_LO == len(_MAX_COLUMNS), "the maxima must be adjacent in STAT_FIELDS"
 
 
-def plain_stats(stats):
+def stats_tensor(values: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """A stats tensor from one 0-d tensor per statistic.
+
+    Args:
+        values: a 0-d tensor for every name in STAT_FIELDS, on one device.
+
+    Returns:
+        The float64 tensor of those values in the order of STAT_FIELDS.
+    """
+    return torch.stack([values[name].to(torch.float64) for name in STAT_FIELDS])
+
+
+def plain_stats(stats: torch.Tensor) -> torch.Tensor:
     """A plain stats tensor. The stats of a cast of a traceable wrapper
     subclass (TwoTensor, DTensor, ...) come back wrapped, one stats tensor per
     inner tensor: they merge into the stats of everything the subclass holds
@@ -182,10 +248,17 @@ def plain_stats(stats):
     return merge_stats_tensors(torch.stack(inner))
 
 
-def merge_stats_tensors(stacked):
-    """Merges stats tensors stacked along dim 0 (shape (k, len(STAT_FIELDS)),
-    k >= 1) into one: counts and sums add, maxima take the max. No host
-    synchronization."""
+def merge_stats_tensors(stacked: torch.Tensor) -> torch.Tensor:
+    """Merges stats tensors into one, as CastStats' ``+`` merges their
+    values: counts and sums add, maxima take the max. No host synchronization.
+
+    Args:
+        stacked: stats tensors stacked along dim 0, shape (k, len(STAT_FIELDS)),
+            k >= 1.
+
+    Returns:
+        The merged stats tensor, shape (len(STAT_FIELDS),).
+    """
     merged = stacked.sum(0)
     merged[_MAX_LO:_MAX_HI] = stacked[:, _MAX_LO:_MAX_HI].amax(0)
     return merged

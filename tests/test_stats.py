@@ -1,0 +1,62 @@
+"""The table of statistics (CastStats' fields in stats.py) against the C++
+StatIndex, which lays out every stats tensor the kernels write."""
+import os
+import re
+
+import torch
+
+import torchcast
+from torchcast import _ops
+from torchcast.stats import COUNT_FIELDS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS, CastStats
+
+from track_ref import assert_stats_match, stats_of_cast
+
+HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(torchcast.__file__))),
+                      "csrc", "numerics.h")
+
+
+def stat_index_of_header(path):
+    """StatIndex's names in order, parsed from numerics.h (kMaxAbsErr ->
+    max_abs_err), without the kNumStats count."""
+    with open(path) as f:
+        body = re.search(r"enum StatIndex\b[^{]*\{(.*?)\}", f.read(), re.S).group(1)
+    names = re.findall(r"\bk([A-Za-z]+)", body)
+    assert names[-1] == "NumStats", names
+    return tuple(re.sub(r"(?<!^)(?=[A-Z])", "_", n).lower() for n in names[:-1])
+
+
+def test_stat_fields_follow_the_cpp_stat_index():
+    orders = {}
+    if _ops.WITH_EXTENSION and hasattr(_ops._C, "stat_fields"):
+        orders["torchcast._C.stat_fields"] = tuple(_ops._C.stat_fields)
+    if os.path.exists(HEADER):
+        orders[HEADER] = stat_index_of_header(HEADER)
+    assert orders or not _ops.WITH_EXTENSION, (
+        "a compiled build must say its StatIndex order: torchcast._C.stat_fields is missing "
+        f"and there is no source tree ({HEADER})")
+    for source, order in orders.items():
+        assert order == STAT_FIELDS, (source, order, STAT_FIELDS)
+
+
+def test_table_groups_and_merge_rules():
+    assert STAT_FIELDS == ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
+                           "max_abs_err", "max_rel_err", "sum_abs_err", "sum_sq_err", "sum_sq")
+    assert sorted(COUNT_FIELDS + MAX_FIELDS + SUM_FIELDS) == sorted(STAT_FIELDS)
+    a = CastStats(torch.float64, torch.float16, *range(1, 12))
+    b = CastStats(torch.float64, torch.float16, *range(11, 0, -1))
+    merged = a + b
+    for name in STAT_FIELDS:
+        pick = max if name in MAX_FIELDS else (lambda u, v: u + v)
+        assert getattr(merged, name) == pick(getattr(a, name), getattr(b, name)), name
+
+
+def test_stats_tensor_layout_is_the_table():
+    """Every count differs from the others, so that stats read in another
+    order than the op wrote them would not match the reference."""
+    x = torch.tensor([float("nan")] + [1e6, -1e6] + [1e-10, -1e-10, 2e-10] + [1e-6] * 4
+                     + [1.0, 2.0, 0.5, 0.25, 4.0], dtype=torch.float64)
+    y, stats = torchcast.cast_with_stats(x, torch.float16)
+    s = CastStats.from_tensor(stats, torch.float64, torch.float16)
+    assert [s.numel, s.nan, s.inexact, s.overflow, s.underflow, s.subnormal] == \
+        [15, 1, 9, 2, 3, 4]
+    assert_stats_match(s, stats_of_cast(x, y))

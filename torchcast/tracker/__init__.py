@@ -1,0 +1,162 @@
+"""track(): the casts of a block, measured with the fused op, attributed to the
+module and source line that did them, and merged by site.
+
+``with track() as report`` collects every safe_to (policies record/warn/raise).
+``track(all_casts=True)`` also intercepts, at the dispatcher, every cast that
+PyTorch itself performs in the block (mode.py); the program's behaviour does
+not change under track.
+
+The package, by concern: sites.py (which file:line a cast comes from),
+modules.py (which module is running, whether a cast is autocast's),
+measure.py (the stats of one cast as PyTorch performs it), mode.py (the
+dispatch mode and the global state it installs), report.py (Record and
+Report: merging, reading, JSON). This module holds track() itself.
+
+The stats stay tensors on the cast's device (merged per site by
+``merge_stats_tensors``) until the report is read, unless the policy is "warn"
+or "raise", which must read each cast's stats: one synchronization per cast.
+"""
+import sys
+import warnings
+from typing import Any, Optional
+
+from ..cast import (
+    PrecisionLossError, PrecisionWarning, add_recorder, check_policy, check_tolerance, get_policy,
+    graph_cut_message, is_violation, remove_recorder, violation_message,
+)
+from ..stats import PendingStats
+from .measure import MeasuredCast
+from .mode import install, pop_mode, push_mode, uninstall
+from .modules import current_module
+from .report import Record, Report, SiteKey, merge_into
+from .sites import short_path, user_site
+
+
+class _Recording:
+    """One entry of a track(): where its casts go, and the policy applied
+    to them."""
+
+    def __init__(self, report, policy, rtol, atol):
+        self.report = report
+        self.policy, self.rtol, self.atol = policy, rtol, atol
+        self.warned = set()
+
+    # -- safe_to's recorder (cast.add_recorder) ------------------------------------
+    def record_safe_to(self, pending: PendingStats, name: Optional[str]) -> None:
+        """Records a safe_to at the user's line that called it."""
+        file, line = user_site(sys._getframe(1), skip_own=True)
+        key = (current_module(), file, line, "safe_to", name, pending.src_dtype, pending.dtype)
+        merge_into(self.report, key, pending.tensor, measured=True)
+
+    # -- the dispatch mode's recorder (mode.CastRecorder) --------------------------
+    def add_cast(self, key: SiteKey, cast: MeasuredCast) -> None:
+        """Records a cast PyTorch performed, at site ``key``."""
+        merge_into(self.report, key, cast.stats, measured=cast.measured,
+                   numel=0 if cast.stats is not None else cast.numel,
+                   graph_cuts=int(cast.graph_cut), imag=cast.imag,
+                   double_rounded=cast.double_rounded)
+
+    def apply_policy(self, key: SiteKey, cast: MeasuredCast,
+                     pending: Optional[PendingStats]) -> None:
+        """Warns (once per site) or raises if the cast is a violation and
+        the policy says so."""
+        pol = self.policy or get_policy()
+        if pol not in ("warn", "raise"):
+            return
+        module, file, line, origin = key[:4]
+        where = f"{module} {short_path(file)}:{line}" if module else f"{short_path(file)}:{line}"
+        head = f"torchcast.track: {origin} at {where}"
+        message = None
+        if cast.graph_cut:
+            message = graph_cut_message(head, cast.src_dtype, cast.dtype)
+        elif cast.imag is not None and int(cast.imag):
+            message = (f"{head}: casting {cast.src_dtype} to {cast.dtype} dropped "
+                       f"{int(cast.imag)} nonzero imaginary parts. Take .real or .abs() "
+                       "explicitly, or keep a complex dtype.")
+        if message is None and pending is not None:
+            s = pending.value
+            if is_violation(s, self.rtol, self.atol):
+                message = violation_message(
+                    cast.x, cast.y, s, self.rtol, self.atol, None, head=head,
+                    advice=(f"Keep {s.src_dtype} here, rescale the data, or use "
+                            "torchcast.safe_to with an explicit policy at this line."))
+        if message is None:
+            return
+        if pol == "raise":
+            error = PrecisionLossError(message, pending.value if pending else None)
+            error.site = where
+            raise error
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn_explicit(message, PrecisionWarning, file, line or 1)
+
+
+class track:
+    """``with torchcast.track(all_casts=False) as report:`` records casts in
+    the block into ``report`` (a Report).
+
+    Always: every ``safe_to`` whose policy is "record", "warn" or "raise".
+    With ``all_casts=True`` also every dtype-changing cast PyTorch performs,
+    in code that never mentions torchcast (see the module docstring); the
+    cast returns exactly what PyTorch returns.
+
+    A track is reusable like torch.autocast: each entry records into a fresh
+    Report. Tracks nest (each records what happens inside it); entering the
+    same object twice at once raises RuntimeError.
+
+    Args:
+        all_casts: also intercept every cast PyTorch performs, not only
+            safe_to's.
+        policy: "record", "warn" or "raise" (default:
+            ``torchcast.get_policy()`` at each cast): what a violating tracked
+            cast does. A violation is any overflow, underflow or subnormal
+            result, ``max_rel_err > rtol`` or ``max_abs_err > atol`` when
+            given, a float tensor that requires grad cast to an integer or
+            bool dtype (the graph is cut), a complex -> real cast that drops
+            a nonzero imaginary part. "warn" warns once per site
+            (PrecisionWarning); "raise" raises PrecisionLossError at the first
+            one, naming its site. Tracked casts are always recorded ("ignore"
+            acts like "record" here). "warn" and "raise" read each cast's
+            stats: one device synchronization per cast.
+        rtol, atol: None or a real number >= 0: the largest relative and
+            absolute error that is not a violation (None: not checked).
+
+    Returns (on entry):
+        The Report the block's casts are recorded into; read it after the
+        block (``str(report)``, ``report.records``, ``report.to_json()``).
+    """
+
+    def __init__(self, all_casts: bool = False, *, policy: Optional[str] = None,
+                 rtol: Optional[float] = None, atol: Optional[float] = None):
+        if policy is not None:
+            check_policy(policy)
+        rtol = check_tolerance(rtol, "rtol", "torchcast.track")
+        atol = check_tolerance(atol, "atol", "torchcast.track")
+        self.all_casts = bool(all_casts)
+        self.policy, self.rtol, self.atol = policy, rtol, atol
+        self._recording = None
+
+    def __enter__(self) -> Report:
+        if self._recording is not None:
+            raise RuntimeError("torchcast.track: this track() is already active; nest a new "
+                               "one instead: create a new torchcast.track()")
+        recording = _Recording(Report(self.rtol, self.atol), self.policy, self.rtol, self.atol)
+        install(self.all_casts)
+        add_recorder(recording.record_safe_to)
+        if self.all_casts:
+            push_mode(recording)
+        self._recording = recording
+        return recording.report
+
+    def __exit__(self, *exc: Any) -> bool:
+        recording, self._recording = self._recording, None
+        try:
+            if self.all_casts:
+                pop_mode(recording)
+        finally:
+            remove_recorder(recording.record_safe_to)
+            uninstall(self.all_casts)
+        return False
+
+
+__all__ = ["Record", "Report", "track"]

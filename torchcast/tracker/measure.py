@@ -1,0 +1,150 @@
+"""Measuring one cast as PyTorch performs it.
+
+A tracked cast returns exactly what PyTorch returns, and its stats describe
+that result. The fused op rounds correctly, and so does PyTorch for every
+pair but float64 -> float16/bfloat16, which PyTorch rounds twice (through
+float32): for those the op measures every element where the two roundings
+agree, and the few elements where PyTorch's double rounding lands on the
+other neighbour are measured against PyTorch's value (``Record.double_rounded``
+counts them).
+"""
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .. import _ops
+from ..stats import merge_stats_tensors, stats_tensor
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+# Real dtypes the fused op measures, by precision rank.
+_RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
+_HALVES = (torch.float16, torch.bfloat16)
+_REAL_OF = {torch.complex128: torch.float64, torch.complex64: torch.float32,
+            torch.complex32: torch.float16}
+_DOUBLE_ROUNDED = frozenset((torch.float64, h) for h in _HALVES)
+
+
+def _double_rounded_stats(x, dtype, t):
+    """Stats of float64 x cast to float16/bfloat16 as PyTorch did it (t).
+
+    The op measures the elements where t is the correctly rounded value; the
+    elements where PyTorch's double rounding chose the other neighbour (x not
+    representable, so inexact; t finite or inf, never NaN) are zeroed in the
+    op's input and measured against t here. Returns (stats, count of those
+    elements)."""
+    y, _ = _ops.cast_with_stats(x, dtype)
+    differ = (t != y) & ~torch.isnan(t)
+    _, rest = _ops.cast_with_stats(torch.where(differ, 0.0, x), dtype)
+    td = t.to(torch.float64)
+    finite = differ & torch.isfinite(td)
+    err = torch.where(finite, (x - td).abs(), 0.0)
+    rel = err / torch.where(finite, x.abs(), 1.0)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    tiny = torch.finfo(dtype).tiny
+    own = stats_tensor({
+        "numel": zero, "nan": zero, "inexact": differ.sum(),
+        "overflow": (differ & torch.isinf(td)).sum(), "underflow": (differ & (td == 0)).sum(),
+        "subnormal": (differ & (td != 0) & (td.abs() < tiny)).sum(),
+        "max_abs_err": err.max(), "max_rel_err": rel.max(), "sum_abs_err": err.sum(),
+        "sum_sq_err": (err * err).sum(), "sum_sq": torch.where(finite, x * x, 0.0).sum()})
+    return merge_stats_tensors(torch.stack([rest, own])), differ.sum()
+
+
+def _measure(x, dtype, t):
+    """(stats tensor, double-rounded count or None, y as PyTorch casts it) for
+    real floating x cast to the narrower-or-equal-rank real ``dtype``; t is
+    PyTorch's result when already computed."""
+    if (x.dtype, dtype) in _DOUBLE_ROUNDED:
+        if t is None or t.device != x.device:
+            t = _TO_COPY(x, dtype=dtype)
+        if x.numel() == 0:
+            return _ops.cast_with_stats(x, dtype)[1], None, t
+        stats, differ = _double_rounded_stats(x, dtype, t)
+        return stats, differ, t
+    if x.dtype in _HALVES:
+        # float16 <-> bfloat16: the op has no such pair, but widening to
+        # float32 is exact and PyTorch converts through float32 too.
+        x = x.float()
+    y, stats = _ops.cast_with_stats(x, dtype)
+    return stats, None, y
+
+
+@dataclasses.dataclass
+class MeasuredCast:
+    """What measuring one cast found.
+
+    ``stats`` is None when there is nothing to measure (an exact cast) or the
+    loss cannot be measured (then ``measured`` is false); ``imag`` counts the
+    elements whose nonzero imaginary part a complex -> real cast dropped;
+    ``x`` and ``y`` are kept for a violation message (its rtol/atol counts).
+    """
+    src_dtype: torch.dtype
+    dtype: torch.dtype
+    numel: int
+    stats: Optional[torch.Tensor] = None
+    measured: bool = True
+    graph_cut: bool = False
+    imag: Optional[torch.Tensor] = None
+    double_rounded: Optional[torch.Tensor] = None
+    x: Optional[torch.Tensor] = None
+    y: Optional[torch.Tensor] = None
+
+
+def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor],
+                 grad_enabled: bool) -> Optional[MeasuredCast]:
+    """Measures casting ``src`` to ``dtype`` as PyTorch does it.
+
+    Args:
+        src: the tensor cast (call under torch.no_grad()).
+        dtype: the target dtype.
+        t: PyTorch's result, when already computed (None: computed here if
+            needed).
+        grad_enabled: whether grad mode was on at the cast (a float tensor
+            that requires grad, cast to an integer dtype, cuts the graph).
+
+    Returns:
+        The MeasuredCast, or None when the cast is not one track records
+        (integer and bool sources, float -> integer casts that cut nothing).
+    """
+    s_dt = src.dtype
+    if s_dt.is_complex or dtype.is_complex:
+        return _measure_complex(src, dtype, t, grad_enabled)
+    if s_dt.is_floating_point and not dtype.is_floating_point:
+        if src.requires_grad and grad_enabled:
+            return MeasuredCast(s_dt, dtype, src.numel(), measured=False, graph_cut=True)
+        return None
+    if not (s_dt.is_floating_point and dtype.is_floating_point):
+        return None  # integer and bool sources: not a precision question track answers
+    if s_dt not in _RANK or dtype not in _RANK:
+        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 and other formats
+    if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:
+        return MeasuredCast(s_dt, dtype, src.numel())  # widening (or the real part kept): exact
+    stats, differ, y = _measure(src, dtype, t)
+    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y)
+
+
+def _measure_complex(src, dtype, t, grad_enabled):
+    s_dt, d_dt = src.dtype, dtype
+    imag = None
+    if s_dt.is_complex and not dtype.is_complex:
+        imag = (src.imag != 0).sum()
+        x, t_real = src.real, t
+    elif s_dt.is_complex:
+        x = torch.view_as_real(src.resolve_conj())
+        t_real = torch.view_as_real(t) if t is not None else None
+        dtype = _REAL_OF.get(dtype)
+    else:
+        x = src
+        t_real = torch.view_as_real(t)[..., 0] if t is not None else None
+        dtype = _REAL_OF.get(dtype)
+    if not dtype or x.dtype not in _RANK or dtype not in _RANK:
+        if imag is None:
+            return None
+        graph_cut = src.requires_grad and grad_enabled and not dtype.is_floating_point
+        return MeasuredCast(s_dt, d_dt, src.numel(), measured=False, graph_cut=graph_cut,
+                            imag=imag)
+    result = measure_cast(x, dtype, t_real, grad_enabled)
+    result.src_dtype, result.dtype, result.imag = s_dt, d_dt, imag
+    return result

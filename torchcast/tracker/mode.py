@@ -1,0 +1,191 @@
+"""The dispatch mode of track(all_casts=True), and the global state that
+tracking installs.
+
+One TorchDispatchMode per thread, shared by nested all_casts tracks, sees
+``aten._to_copy`` (``Tensor.to``, ``.float()``, ``.half()``, ``.type()``,
+``torch.as_tensor``/``torch.tensor`` with a dtype, autocast's casts) and
+``aten.copy_``/``aten.copy``; every other op takes the fast path (an id()
+lookup, then the op). A tracked cast returns exactly what PyTorch returns.
+"""
+import sys
+import threading
+from typing import Optional, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..stats import PendingStats
+from .measure import MeasuredCast, measure_cast
+from .modules import (AutocastMarks, autocast_on, current_module, in_program_cast,
+                      install_module_hooks, module_of_node, refresh_autocast_state,
+                      remove_module_hooks)
+from .report import SiteKey
+from .sites import user_site
+
+aten = torch.ops.aten
+_TO_COPY = aten._to_copy.default
+_COPY_ = aten.copy_.default
+_COPY = aten.copy.default
+# The mode's fast path tests every op against these by id(): OpOverload's
+# __hash__ is Python code, too slow to run for every op.
+_CAST_IDS = frozenset(map(id, (_TO_COPY, _COPY_, _COPY)))
+_OpOverload = torch._ops.OpOverload
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor) pass through
+
+_local = threading.local()
+
+
+class CastRecorder(Protocol):
+    """What the mode reports each tracked cast to (an active track())."""
+
+    def add_cast(self, key: SiteKey, cast: MeasuredCast) -> None:
+        """Records the cast at site ``key``."""
+
+    def apply_policy(self, key: SiteKey, cast: MeasuredCast,
+                     pending: Optional[PendingStats]) -> None:
+        """Warns or raises if the cast violates the policy."""
+
+
+try:  # Dynamo's per-code-object frame strategy (torch >= 2.4)
+    from torch._C._dynamo import eval_frame as _eval_frame
+    _SKIP_RECURSIVELY = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP,
+                                                       _eval_frame._FrameAction.SKIP)
+except (ImportError, AttributeError):  # pragma: no cover - older or Dynamo-less builds
+    _eval_frame = None
+
+
+class _CastMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # Dynamo must not trace the handler. TorchDispatchMode ensures it by
+        # wrapping __torch_dispatch__ in torch._disable_dynamo, a per-call
+        # Python wrapper that costs about a third of the mode's per-op
+        # overhead; marking the handler's code object skipped, recursively,
+        # once (below) does the same at no per-call cost.
+        return _eval_frame is None
+
+    def __init__(self):
+        super().__init__()
+        self.recorders = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if id(func) in _CAST_IDS:
+            return _tracked_cast(self.recorders, func, args, kwargs or {})
+        if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
+            return func._op(*args, **kwargs) if kwargs else func._op(*args)
+        return func(*args, **(kwargs or {}))
+
+
+if _eval_frame is not None:
+    _eval_frame.set_code_exec_strategy(_CastMode.__torch_dispatch__.__code__, _SKIP_RECURSIVELY)
+
+
+def _tracked_cast(recorders, func, args, kwargs):
+    """Runs one cast op as PyTorch would, reporting it to every recorder."""
+    if func is _TO_COPY:
+        src, dtype, dst = args[0], kwargs.get("dtype"), None
+    else:
+        dst, src = args[0], args[1]
+        dtype = dst.dtype
+    if (dtype is None or dtype == src.dtype or type(src) not in _PLAIN_TYPES
+            or src.device.type == "meta" or torch.compiler.is_compiling()):
+        return func(*args, **kwargs)
+    site = user_site(sys._getframe(1), skip_own=False)
+    if site is None:
+        return func(*args, **kwargs)
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        origin, module = "backward", module_of_node(node)
+    else:
+        module = current_module()
+        if dst is not None:
+            origin = "copy_"
+        elif not in_program_cast() and autocast_on(src.device.type):
+            origin = "autocast"
+        else:
+            origin = "cast"
+    # A fresh result can be computed first and measured as it is; copy_ is
+    # measured before it writes, so that policy "raise" leaves dst untouched.
+    out = func(*args, **kwargs) if dst is None else None
+    grad_enabled = torch.is_grad_enabled()
+    with torch.no_grad():
+        cast = measure_cast(src, dtype, out, grad_enabled)
+    if cast is not None:
+        key = (module, site[0], site[1], origin, None, cast.src_dtype, cast.dtype)
+        pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
+            if cast.stats is not None else None
+        for recorder in recorders:
+            recorder.add_cast(key, cast)
+        for recorder in recorders:
+            recorder.apply_policy(key, cast, pending)
+    return func(*args, **kwargs) if out is None else out
+
+
+def push_mode(recorder: CastRecorder) -> None:
+    """Reports every cast PyTorch performs in this thread to ``recorder``
+    (entering the thread's dispatch mode if it is the first), until
+    ``pop_mode(recorder)``."""
+    mode = getattr(_local, "mode", None)
+    if mode is None:
+        mode = _local.mode = _CastMode()
+        mode.__enter__()
+    mode.recorders.append(recorder)
+
+
+def pop_mode(recorder: CastRecorder) -> None:
+    """Undoes ``push_mode(recorder)``; the last one exits the mode."""
+    mode = _local.mode
+    mode.recorders.remove(recorder)
+    if not mode.recorders:
+        _local.mode = None
+        mode.__exit__(None, None, None)
+
+
+class _Installed:
+    """Reference-counted global state: module hooks (any track) and the
+    autocast marker kernels (all_casts); nothing is left behind when the last
+    track exits."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.hooks = 0
+        self.hook_handles = ()
+        self.marks = 0
+        self.autocast_marks = None
+
+    def acquire(self, all_casts):
+        with self.lock:
+            if self.hooks == 0:
+                self.hook_handles = install_module_hooks()
+            self.hooks += 1
+            if all_casts:
+                if self.marks == 0:
+                    self.autocast_marks = AutocastMarks()
+                self.marks += 1
+                refresh_autocast_state()
+
+    def release(self, all_casts):
+        with self.lock:
+            if all_casts:
+                self.marks -= 1
+                if self.marks == 0:
+                    self.autocast_marks.remove()
+                    self.autocast_marks = None
+            self.hooks -= 1
+            if self.hooks == 0:
+                remove_module_hooks(self.hook_handles)
+                self.hook_handles = ()
+
+
+_installed = _Installed()
+
+
+def install(all_casts: bool) -> None:
+    """Installs what a track() needs (module hooks; with ``all_casts`` the
+    autocast marks), shared by all active tracks."""
+    _installed.acquire(all_casts)
+
+
+def uninstall(all_casts: bool) -> None:
+    """Undoes one ``install(all_casts)``; the last one removes everything."""
+    _installed.release(all_casts)

@@ -1,0 +1,374 @@
+"""Record and Report: the casts of a track() block merged by site, read
+back (one transfer per device), printed, serialized, and merged across
+ranks. Until read, a site's stats stay tensors on the cast's device."""
+import dataclasses
+import json
+import math
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from ..cast import is_integer_dtype
+from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_name
+from .sites import short_path
+
+# (module, file, line, origin, name, src_dtype, dtype): casts with the same
+# key merge into one Record.
+SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype]
+
+_LOSS_COLUMNS = ("inexact", "overflow", "underflow", "subnormal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The merged casts of one site: a module (None outside any forward), a
+    source line, an origin ("cast", "copy_", "autocast", "backward" or
+    "safe_to"), a safe_to name, and a dtype pair.
+
+    ``stats`` merges every call's CastStats (elements of complex casts count
+    real components when both sides are complex). ``measured`` is false where
+    the loss is not measured (float -> integer casts, float8 formats): then
+    only ``stats.numel`` is set. ``graph_cuts`` counts casts of a tensor that
+    required grad to an integer or bool dtype; ``imag_dropped`` the elements
+    whose nonzero imaginary part a complex -> real cast dropped;
+    ``double_rounded`` the elements where PyTorch's float64 ->
+    float16/bfloat16 cast (rounded twice, through float32) differs from the
+    correctly rounded value: ``stats`` measure PyTorch's value."""
+
+    module: Optional[str]
+    file: str
+    line: int
+    origin: str
+    name: Optional[str]
+    src_dtype: torch.dtype
+    dtype: torch.dtype
+    calls: int
+    stats: CastStats
+    measured: bool = True
+    graph_cuts: int = 0
+    imag_dropped: int = 0
+    double_rounded: int = 0
+
+    @property
+    def key(self) -> SiteKey:
+        """(module, file, line, origin, name, src_dtype, dtype): what
+        identifies the site."""
+        return (self.module, self.file, self.line, self.origin, self.name, self.src_dtype,
+                self.dtype)
+
+    @property
+    def site(self) -> str:
+        """The site as printed: "module file:line safe_to(name)"."""
+        where = f"{short_path(self.file)}:{self.line}"
+        what = f" safe_to({self.name})" if self.name else ""
+        return f"{self.module} {where}{what}" if self.module else f"{where}{what}"
+
+    def violations(self, rtol: Optional[float] = None,
+                   atol: Optional[float] = None) -> List[str]:
+        """What makes this site a violation.
+
+        Args:
+            rtol, atol: the tolerances to check max_rel_err and max_abs_err
+                against (None: not checked).
+
+        Returns:
+            One phrase per kind of violation (empty list: none).
+        """
+        found = []
+        if self.graph_cuts:
+            found.append(f"{self.graph_cuts} graph cut{'s' if self.graph_cuts > 1 else ''}")
+        if self.imag_dropped:
+            found.append(f"{self.imag_dropped} imaginary parts dropped")
+        s = self.stats
+        if self.measured:
+            found += [f"{getattr(s, f)} {f}" for f in ("overflow", "underflow", "subnormal")
+                      if getattr(s, f)]
+            if s.nan and is_integer_dtype(self.dtype):  # safe_to to an integer/bool dtype
+                found.append(f"{s.nan} nan")
+            if rtol is not None and s.max_rel_err > rtol:
+                found.append(f"max rel err > rtol={rtol:g}")
+            if atol is not None and s.max_abs_err > atol:
+                found.append(f"max abs err > atol={atol:g}")
+        return found
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The record as JSON-ready values (dtypes as strings, an infinite
+        or NaN ``sqnr_db`` as None)."""
+        stats = self.stats.to_dict()
+        for name in ("src_dtype", "dtype"):
+            stats.pop(name)
+        sqnr = stats.pop("sqnr_db")
+        stats["sqnr_db"] = sqnr if math.isfinite(sqnr) else None  # strict JSON has no inf/NaN
+        return {
+            "site": self.site, "module": self.module, "file": self.file, "line": self.line,
+            "origin": self.origin, "name": self.name, "src_dtype": str(self.src_dtype),
+            "dtype": str(self.dtype), "calls": self.calls, "measured": self.measured,
+            "graph_cuts": self.graph_cuts, "imag_dropped": self.imag_dropped,
+            "double_rounded": self.double_rounded, "stats": stats,
+        }
+
+
+def _dtype_from_str(name):
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torchcast: unknown dtype {name!r} in a report")
+    return dtype
+
+
+class _Site:
+    __slots__ = ("calls", "buf", "numel", "measured", "graph_cuts", "imag", "double_rounded")
+    COLLAPSE = 64  # merge the pending stats tensors of a site every COLLAPSE casts
+
+    def __init__(self, measured):
+        self.calls, self.buf, self.numel, self.measured = 0, [], 0, measured
+        self.graph_cuts, self.imag, self.double_rounded = 0, 0, 0
+
+    def merged(self):
+        if not self.buf:
+            return None
+        if len(self.buf) == 1:
+            return self.buf[0]
+        device = self.buf[0].device
+        return merge_stats_tensors(torch.stack([b.to(device) for b in self.buf]))
+
+
+Count = Union[int, torch.Tensor]
+
+
+class Report:
+    """The casts recorded by ``torchcast.track``, merged by site.
+
+    ``records`` lists them worst first (violations first, then by max rel
+    err); ``str(report)`` is that list as a table; ``to_dict``/``to_json`` for
+    loggers (``Report.from_json`` reads it back); ``all_reduce()`` merges the
+    reports of all torch.distributed ranks. Reading the report synchronizes
+    with the device once; recording never does under policy "record".
+
+    Args:
+        rtol, atol: the tolerances that make a site a violation (None: not
+            checked), as given to track().
+    """
+
+    def __init__(self, rtol: Optional[float] = None, atol: Optional[float] = None):
+        self.rtol, self.atol = rtol, atol
+        self._sites = {}
+        self._lock = threading.Lock()
+
+    # -- reading ----------------------------------------------------------------
+    @property
+    def records(self) -> List[Record]:
+        """The sites as Records, worst first (one synchronization per device)."""
+        with self._lock:
+            items = [(key, site, site.merged()) for key, site in self._sites.items()]
+        values = _to_host([merged for _, _, merged in items]
+                          + [site.imag for _, site, _ in items]
+                          + [site.double_rounded for _, site, _ in items])
+        n = len(items)
+        records = []
+        for i, (key, site, merged) in enumerate(items):
+            module, file, line, origin, name, src_dtype, dtype = key
+            if merged is None:
+                stats = CastStats(src_dtype, dtype, numel=site.numel)
+            else:
+                stats = CastStats.from_values(values[i], src_dtype, dtype)
+                stats = dataclasses.replace(stats, numel=stats.numel + site.numel)
+            records.append(Record(module, file, line, origin, name, src_dtype, dtype, site.calls,
+                                  stats, site.measured, site.graph_cuts,
+                                  int(values[n + i]), int(values[2 * n + i])))
+        records.sort(key=self._severity, reverse=True)
+        return records
+
+    def _severity(self, r):
+        s = r.stats
+        return (bool(r.violations(self.rtol, self.atol)), r.graph_cuts, r.imag_dropped,
+                s.overflow, s.underflow, s.subnormal, s.max_rel_err, s.inexact, s.numel)
+
+    @property
+    def violations(self) -> List[Record]:
+        """The records that are violations under this report's rtol/atol."""
+        return [r for r in self.records if r.violations(self.rtol, self.atol)]
+
+    def __len__(self) -> int:
+        return len(self._sites)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def table(self, limit: Optional[int] = None) -> str:
+        """The records as a table, worst first.
+
+        Args:
+            limit: show only the ``limit`` worst sites (None: all).
+
+        Returns:
+            A summary line, then one line per site.
+        """
+        records = self.records
+        shown = records if limit is None else records[:limit]
+        bad = sum(1 for r in records if r.violations(self.rtol, self.atol))
+        calls = sum(r.calls for r in records)
+        head = (f"torchcast.track: {len(records)} cast sites, {calls} casts, "
+                f"{bad} with violations (worst first)")
+        if not records:
+            return head
+        rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
+                 "notes")]
+        for r in shown:
+            s = r.stats
+            losses = ([str(getattr(s, c)) for c in _LOSS_COLUMNS] + [f"{s.max_rel_err:.3g}"]
+                      if r.measured else ["-"] * (len(_LOSS_COLUMNS) + 1))
+            notes = r.violations(self.rtol, self.atol)
+            notes = [n for n in notes if not n.endswith(("overflow", "underflow", "subnormal"))]
+            if r.double_rounded:
+                notes.append(f"{r.double_rounded} double-rounded by torch")
+            rows.append((r.site, r.origin, str(r.calls),
+                         f"{short_dtype_name(r.src_dtype)}->{short_dtype_name(r.dtype)}",
+                         str(s.numel), *losses, "; ".join(notes)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [head]
+        for row in rows:
+            cells = [c.ljust(w) if i in (0, 1, 3, len(row) - 1) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(row, widths))]
+            lines.append("  ".join(cells).rstrip())
+        if len(shown) < len(records):
+            lines.append(f"... {len(records) - len(shown)} more sites")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"<torchcast.Report: {len(self)} sites>"
+
+    # -- serializing and merging ------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        """The report as JSON-ready values, for ``from_dict``.
+
+        Returns:
+            {"format", "version", "rtol", "atol", "records": [Record.to_dict()]}.
+        """
+        return {"format": "torchcast.track.Report", "version": 1, "rtol": self.rtol,
+                "atol": self.atol, "records": [r.to_dict() for r in self.records]}
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as strict JSON.
+
+        Args:
+            **kwargs: passed to json.dumps (e.g. ``indent``).
+        """
+        return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Report":
+        """Reads a report back from ``to_dict``'s form.
+
+        Args:
+            data: what ``to_dict`` returned (ValueError for anything else).
+
+        Returns:
+            A Report with the same records.
+        """
+        if data.get("format") != "torchcast.track.Report":
+            raise ValueError("torchcast.Report.from_dict: not a torchcast.track report "
+                             f"(format={data.get('format')!r})")
+        report = cls(data.get("rtol"), data.get("atol"))
+        report._merge_records(data["records"])
+        return report
+
+    @classmethod
+    def from_json(cls, text: str) -> "Report":
+        """Reads a report back from ``to_json``'s text.
+
+        Args:
+            text: what ``to_json`` returned.
+
+        Returns:
+            A Report with the same records.
+        """
+        return cls.from_dict(json.loads(text))
+
+    def _merge_records(self, records):
+        for r in records:
+            key = (r["module"], r["file"], r["line"], r["origin"], r["name"],
+                   _dtype_from_str(r["src_dtype"]), _dtype_from_str(r["dtype"]))
+            stats = torch.tensor([float(r["stats"][f]) for f in STAT_FIELDS], dtype=torch.float64)
+            merge_into(self, key, stats, measured=r["measured"], calls=r["calls"],
+                       graph_cuts=r["graph_cuts"], imag=r["imag_dropped"],
+                       double_rounded=r["double_rounded"])
+
+    def all_reduce(self, group: Optional[Any] = None) -> "Report":
+        """Merges this report with the same report on every rank, in place,
+        on every rank. Each call adds the other ranks' records again, like
+        ``torch.distributed.all_reduce`` on a tensor: call it once.
+
+        Args:
+            group: the torch.distributed process group (None: the world).
+
+        Returns:
+            self.
+        """
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torchcast.Report.all_reduce: torch.distributed is not "
+                               "initialized; call torch.distributed.init_process_group first")
+        mine = self.to_dict()["records"]
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        with self._lock:
+            self._sites = {}
+        for records in gathered:
+            self._merge_records(records)
+        return self
+
+
+def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, measured: bool,
+               calls: int = 1, numel: int = 0, graph_cuts: int = 0,
+               imag: Optional[Count] = None, double_rounded: Optional[Count] = None) -> None:
+    """Merges casts into the site ``key`` of ``report``: one tracked cast, or
+    a serialized record's many. Thread-safe; never synchronizes.
+
+    Args:
+        report: the Report to record into.
+        key: the site.
+        stats: the casts' stats tensor (None: nothing measured).
+        measured: whether the loss is measured at this site (a new site).
+        calls: how many casts this is.
+        numel: elements of casts without a stats tensor.
+        graph_cuts: how many of the casts cut the autograd graph.
+        imag: elements whose nonzero imaginary part was dropped.
+        double_rounded: elements PyTorch rounded twice to another value.
+    """
+    with report._lock:
+        site = report._sites.get(key)
+        if site is None:
+            site = report._sites[key] = _Site(measured)
+        site.calls += calls
+        site.numel += numel
+        site.graph_cuts += graph_cuts
+        if imag is not None:
+            site.imag = site.imag + imag
+        if double_rounded is not None:
+            site.double_rounded = site.double_rounded + double_rounded
+        if stats is not None:
+            site.buf.append(stats)
+            if len(site.buf) >= _Site.COLLAPSE:
+                site.buf = [site.merged()]
+
+
+def _to_host(values: List[Optional[Count]]) -> list:
+    """Lists of Python numbers for a list of tensors (or ints), one transfer
+    per device."""
+    by_device = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    out = list(values)
+    for device, idx in by_device.items():
+        flat = torch.cat([values[i].reshape(-1).to(torch.float64) for i in idx]).tolist()
+        pos = 0
+        for i in idx:
+            n = values[i].numel()
+            out[i] = flat[pos:pos + n] if values[i].dim() else flat[pos]
+            pos += n
+    return out
