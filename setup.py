@@ -43,15 +43,14 @@ def extension(torch):
             "torchcast._C", cpu_sources,
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
-    nvcc = ["-O3", "--fmad=false", "-DTORCHCAST_WITH_CUDA",
-            "--expt-relaxed-constexpr",
+    nvcc = ["-O3", "--fmad=false", "--expt-relaxed-constexpr",
             # nvcc's defaults, stated: IEEE division and sqrt, subnormals kept,
             # as on the CPU (the stats must match it bit for bit).
             "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
             "-Xcompiler=-ffp-contract=off"]
     return CUDAExtension(
         "torchcast._C", cpu_sources + sorted(glob.glob("csrc/cuda/*.cu")),
-        extra_compile_args={"cxx": cxx + ["-DTORCHCAST_WITH_CUDA"], "nvcc": nvcc},
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         extra_link_args=["-fopenmp"])
 
 

@@ -39,13 +39,12 @@ void check_same_shape(const at::Tensor& p, const at::Tensor& t, const char* what
 
 }  // namespace
 
-Compensation check_adam_args(at::TensorList params, at::TensorList grads,
-                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                             at::TensorList max_exp_avg_sqs, at::TensorList compensations,
-                             at::TensorList state_steps, bool amsgrad,
-                             std::string_view compensation,
+Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_view compensation,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf) {
+  const at::TensorList &params = args.params, &grads = args.grads, &exp_avgs = args.exp_avgs,
+                       &exp_avg_sqs = args.exp_avg_sqs, &max_exp_avg_sqs = args.max_exp_avg_sqs,
+                       &compensations = args.compensations, &state_steps = args.state_steps;
   const Compensation mode = parse_compensation(compensation);
   const auto n = static_cast<int64_t>(params.size());
   const auto count = [&](at::TensorList l, int64_t want, const char* what) {

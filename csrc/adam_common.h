@@ -188,6 +188,23 @@ struct AdamElement {
       }
     }
   }
+
+  // step() on element j of the operand arrays, with its gradient g. vmax
+  // and c are read and written only where the step uses them.
+  TC_HD static void step_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j, P* p,
+                            P g, S* m, S* v, S* vmax, C* c) {
+    P pj = p[j];
+    S mj = m[j], vj = v[j], xj{};
+    C cj{};
+    if constexpr (kAmsgrad) xj = vmax[j];
+    if constexpr (M != Compensation::kNone) cj = c[j];
+    step(k, t, pj, g, mj, vj, xj, cj);
+    p[j] = pj;
+    m[j] = mj;
+    v[j] = vj;
+    if constexpr (kAmsgrad) vmax[j] = xj;
+    if constexpr (M != Compensation::kNone) c[j] = cj;
+  }
 };
 
 // Calls f(PT{}, ST{}, mode, amsgrad) (mode and amsgrad as integral_constants)
@@ -257,13 +274,16 @@ T* operand_ptr(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<T*>(t.data_ptr()) : nullptr;
 }
 
+// The tensor lists of one adam_step_ call, one entry per param
+// (max_exp_avg_sqs only with amsgrad, compensations only when compensated).
+struct AdamTensors {
+  at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
+      state_steps;
+};
+
 // Host-side checks shared by the backends; everything is checked before
 // anything is written. Returns the parsed compensation mode.
-Compensation check_adam_args(at::TensorList params, at::TensorList grads,
-                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                             at::TensorList max_exp_avg_sqs, at::TensorList compensations,
-                             at::TensorList state_steps, bool amsgrad,
-                             std::string_view compensation,
+Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_view compensation,
                              const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf);
 
@@ -273,5 +293,59 @@ void check_scalar_device(const at::Tensor& t, const char* what, const at::Device
 
 // The value of a one-element step counter after adding one to it in place.
 double increment_step(const at::Tensor& step);
+
+// The kernels of adam_step_ (Lr = double) and adam_step_.tensor_lr (Lr =
+// const at::Tensor&) for one backend: the checks, found_inf, the step counts
+// and the staging of operands are the same everywhere. A Backend object,
+// made for the params' device, decides where lr and grad_scale are read:
+//  - lr_of(lr): the lr the host computes the constants with;
+//  - unscale(grads, grad_scale): divides the grads by grad_scale now, or
+//    keeps it for the kernel (then kUnscalesInKernel: the pass writes the
+//    grads, so staged ones are written back);
+//  - run<PT, ST, M, kAmsgrad>(ops, h, steps): the step over staged operands.
+template <typename Backend, typename Lr>
+void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+               at::TensorList compensations, at::TensorList state_steps, Lr lr, double beta1,
+               double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
+               bool decoupled_weight_decay, std::string_view compensation,
+               const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf) {
+  if constexpr (!std::is_same_v<Lr, double>) {
+    TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
+    if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
+  }
+  const Compensation mode = check_adam_args(
+      {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps},
+      amsgrad, compensation, grad_scale, found_inf);
+  if (params.empty()) return;
+  Backend backend(params[0].device());
+  // A GradScaler step with infs in the gradients changes nothing, step
+  // counts included. The counts live on the host, so a device found_inf is
+  // read here: the one synchronization of the op, only when found_inf is
+  // passed.
+  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
+  const AdamHyper h{backend.lr_of(lr), beta1, beta2, weight_decay, eps, amsgrad, maximize,
+                    decoupled_weight_decay, mode};
+  backend.unscale(grads, grad_scale);
+
+  std::vector<double> steps;
+  std::vector<TensorOperands> ops;
+  steps.reserve(params.size());
+  ops.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    steps.push_back(increment_step(state_steps[i]));
+    ops.emplace_back(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+                     amsgrad ? &max_exp_avg_sqs[i] : nullptr,
+                     mode != Compensation::kNone ? &compensations[i] : nullptr,
+                     /*grad_mutated=*/Backend::kUnscalesInKernel && grad_scale.has_value());
+  }
+  dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,
+                [&](auto pt, auto st, auto m, auto ams) {
+                  backend.template run<decltype(pt), decltype(st), decltype(m)::value,
+                                       decltype(ams)::value>(ops, h, steps);
+                });
+  for (TensorOperands& o : ops) o.finish();
+}
 
 }  // namespace torchcast

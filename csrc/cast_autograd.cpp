@@ -3,8 +3,7 @@
 // without gradients, several times what the cast itself takes on small
 // tensors.
 #include <torch/autograd.h>
-
-#include "ops.h"
+#include <torch/library.h>
 
 namespace torchcast {
 namespace {
@@ -32,8 +31,6 @@ class CastWithStats : public torch::autograd::Function<CastWithStats> {
   }
 };
 
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x, at::ScalarType dtype) {
   auto out = CastWithStats::apply(x, dtype);
   return {out[0], out[1]};
@@ -57,6 +54,15 @@ at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtyp
   }
   torch::autograd::impl::bump_version(out);  // out was written in place
   return stats;
+}
+
+}  // namespace
+
+// For every backend: y's derivative is the identity, stats is not
+// differentiable.
+TORCH_LIBRARY_IMPL(torchcast, Autograd, m) {
+  m.impl("cast_with_stats", &cast_with_stats_autograd);
+  m.impl("cast_with_stats.out", &cast_with_stats_out_autograd);
 }
 
 }  // namespace torchcast

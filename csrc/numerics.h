@@ -33,30 +33,46 @@ TC_HD To bit_cast(From from) {
 
 // ---------------------------------------------------------------------------
 // Layout of the float64 stats tensor returned by cast_with_stats. Counts are
-// stored in float64, exact up to 2^53 elements.
-enum StatIndex : int {
-  kNumel = 0,
-  kNan,
-  kInexact,
-  kOverflow,
-  kUnderflow,
-  kSubnormal,
-  kMaxAbsErr,
-  kMaxRelErr,
-  kSumAbsErr,
-  kSumSqErr,
-  kSumSq,
-  kNumStats
-};
+// stored in float64, exact up to 2^53 elements. X(index, Python name) for each
+// entry in order: the enum and torchcast._C.stat_fields (ops.cpp) are both
+// made from this one list, so they cannot disagree.
+#define TORCHCAST_STATS(X)       \
+  X(kNumel, "numel")             \
+  X(kNan, "nan")                 \
+  X(kInexact, "inexact")         \
+  X(kOverflow, "overflow")       \
+  X(kUnderflow, "underflow")     \
+  X(kSubnormal, "subnormal")     \
+  X(kMaxAbsErr, "max_abs_err")   \
+  X(kMaxRelErr, "max_rel_err")   \
+  X(kSumAbsErr, "sum_abs_err")   \
+  X(kSumSqErr, "sum_sq_err")     \
+  X(kSumSq, "sum_sq")
+
+#define TORCHCAST_STAT_INDEX(index, name) index,
+enum StatIndex : int { TORCHCAST_STATS(TORCHCAST_STAT_INDEX) kNumStats };
+#undef TORCHCAST_STAT_INDEX
 
 // ---------------------------------------------------------------------------
 // Neumaier's variant of Kahan summation: the compensation also captures the
 // low bits of the running sum when the new term is the larger one.
-TC_HD void neumaier_add(float& sum, float& comp, float v) {
-  const float t = sum + v;
-  const bool sum_bigger = fabsf(sum) >= fabsf(v);
-  const float big = sum_bigger ? sum : v;
-  const float small = sum_bigger ? v : sum;
+//
+// V is float, or a SIMD vector of floats (csrc/cpu/lanes.cpp), which only
+// needs a Magnitude specialization: ?: selects lane by lane on GCC vectors.
+template <typename V>
+struct Magnitude;
+
+template <>
+struct Magnitude<float> {
+  TC_HD static float of(float x) { return fabsf(x); }
+};
+
+template <typename V>
+TC_HD void neumaier_add(V& sum, V& comp, V v) {
+  const V t = sum + v;
+  const auto sum_bigger = Magnitude<V>::of(sum) >= Magnitude<V>::of(v);
+  const V big = sum_bigger ? sum : v;
+  const V small = sum_bigger ? v : sum;
   comp += (big - t) + small;
   sum = t;
 }
@@ -64,14 +80,22 @@ TC_HD void neumaier_add(float& sum, float& comp, float v) {
 // Folds the compensated pair (s2, c2) into (s, c). The compensations add
 // plainly: they are tiny, and a sum that overflowed to inf carries a NaN
 // compensation that must not reach the sum itself.
-TC_HD void neumaier_merge(float& s, float& c, float s2, float c2) {
+template <typename V>
+TC_HD void neumaier_merge(V& s, V& c, V s2, V c2) {
   neumaier_add(s, c, s2);
   c += c2;
 }
 
-// The value of a compensated pair, in float64; inf once the sum overflowed.
+// The one rule for a compensated pair (s, c) whose sum is not finite: its
+// compensation no longer counts. Neumaier's correction turns inf into NaN
+// ((inf - inf) in the correction term), so once s is inf or NaN the pair is
+// worth s alone, the plain float32 sum of the same values, which is what
+// IEEE arithmetic gives for inf, -inf, NaN and overflow.
+TC_HD float settled(float s, float c) { return (s - s) == 0.f ? c : 0.f; }
+
+// The value of a compensated pair, in float64.
 TC_HD double neumaier_value(float s, float c) {
-  return (s - s == 0.f) ? static_cast<double>(s) + c : static_cast<double>(s);
+  return static_cast<double>(s) + settled(s, c);
 }
 
 // ---------------------------------------------------------------------------
@@ -178,21 +202,30 @@ struct Float32Target {
   TC_HD static float widen(float s) { return s; }
 };
 
-struct Float16Target {
+// float16 and bfloat16: Bits converts float32 to the 16-bit format and back;
+// float64 goes through float_round_to_odd so that the two roundings equal one.
+template <typename Bits>
+struct Narrow16Target {
   using storage = uint16_t;
-  static constexpr float min_normal = 6.103515625e-05f;
-  TC_HD static uint16_t round(float f) { return half_bits_from_float(f); }
-  TC_HD static uint16_t round(double d) { return half_bits_from_float(float_round_to_odd(d)); }
-  TC_HD static float widen(uint16_t s) { return float_from_half_bits(s); }
+  static constexpr float min_normal = Bits::min_normal;
+  TC_HD static uint16_t round(float f) { return Bits::from_float(f); }
+  TC_HD static uint16_t round(double d) { return Bits::from_float(float_round_to_odd(d)); }
+  TC_HD static float widen(uint16_t s) { return Bits::to_float(s); }
 };
 
-struct BFloat16Target {
-  using storage = uint16_t;
-  static constexpr float min_normal = 1.17549435082228750797e-38f;
-  TC_HD static uint16_t round(float f) { return bfloat16_bits_from_float(f); }
-  TC_HD static uint16_t round(double d) { return bfloat16_bits_from_float(float_round_to_odd(d)); }
-  TC_HD static float widen(uint16_t s) { return float_from_bfloat16_bits(s); }
+struct HalfBits {
+  static constexpr float min_normal = 6.103515625e-05f;
+  TC_HD static uint16_t from_float(float f) { return half_bits_from_float(f); }
+  TC_HD static float to_float(uint16_t h) { return float_from_half_bits(h); }
 };
+using Float16Target = Narrow16Target<HalfBits>;
+
+struct BFloat16Bits {
+  static constexpr float min_normal = 1.17549435082228750797e-38f;
+  TC_HD static uint16_t from_float(float f) { return bfloat16_bits_from_float(f); }
+  TC_HD static float to_float(uint16_t b) { return float_from_bfloat16_bits(b); }
+};
+using BFloat16Target = Narrow16Target<BFloat16Bits>;
 
 // ---------------------------------------------------------------------------
 // What one element contributes to the statistics. The error terms are over

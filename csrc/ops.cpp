@@ -1,20 +1,53 @@
-// The one registration point: op schemas, their per-backend kernels, and the
-// Python module that loading torchcast._C needs.
+// The op schemas and the Python module that loading torchcast._C needs. Each
+// backend registers its kernels at the end of its own file (csrc/cpu/*.cpp,
+// csrc/cuda/*.cu), autograd in cast_autograd.cpp.
 #include <Python.h>
 #include <torch/library.h>
 
-#include "ops.h"
+#include "numerics.h"
+
+namespace {
+
+// ("numel", "nan", ...): the names of the stats tensor's entries, in order.
+PyObject* stat_fields() {
+  static constexpr const char* kNames[] = {
+#define TORCHCAST_STAT_NAME(index, name) name,
+      TORCHCAST_STATS(TORCHCAST_STAT_NAME)
+#undef TORCHCAST_STAT_NAME
+  };
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == torchcast::kNumStats, "one name a stat");
+  PyObject* fields = PyTuple_New(torchcast::kNumStats);
+  if (fields == nullptr) return nullptr;
+  for (int i = 0; i < torchcast::kNumStats; ++i) {
+    PyObject* name = PyUnicode_FromString(kNames[i]);
+    if (name == nullptr) {
+      Py_DECREF(fields);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(fields, i, name);
+  }
+  return fields;
+}
+
+}  // namespace
 
 extern "C" {
-// An empty module: importing torchcast._C runs the static registrations below.
+// Importing torchcast._C runs the static registrations of every file; the
+// module itself holds constants only. with_cuda: whether the CUDA kernels
+// were built (and so registered).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* module = PyModule_Create(&module_def);
-#ifdef TORCHCAST_WITH_CUDA
-  PyModule_AddIntConstant(module, "with_cuda", 1);
-#else
-  PyModule_AddIntConstant(module, "with_cuda", 0);
-#endif
+  if (module == nullptr) return nullptr;
+  const auto op = c10::Dispatcher::singleton().findSchema({"torchcast::cast_with_stats", ""});
+  const bool with_cuda = op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  PyObject* fields = stat_fields();
+  if (PyModule_AddIntConstant(module, "with_cuda", with_cuda ? 1 : 0) < 0 || fields == nullptr ||
+      PyModule_AddObject(module, "stat_fields", fields) < 0) {
+    Py_XDECREF(fields);
+    Py_DECREF(module);
+    return nullptr;
+  }
   return module;
 }
 }
@@ -37,33 +70,6 @@ TORCH_LIBRARY(torchcast, m) {
   // kahan_sum / kahan_mean: arguments as torch.sum / torch.mean.
   m.def("kahan_sum(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
   m.def("kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
-  m.impl("cast_with_stats", &torchcast::cast_with_stats_cpu);
-  m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cpu);
-  m.impl("adam_step_", &torchcast::adam_step_cpu);
-  m.impl("adam_step_.tensor_lr", &torchcast::adam_step_tensor_lr_cpu);
-  m.impl("kahan_sum", &torchcast::kahan_sum_cpu);
-  m.impl("kahan_mean", &torchcast::kahan_mean_cpu);
-}
-
-#ifdef TORCHCAST_WITH_CUDA
-TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
-  m.impl("cast_with_stats", &torchcast::cast_with_stats_cuda);
-  m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_cuda);
-  m.impl("adam_step_", &torchcast::adam_step_cuda);
-  m.impl("adam_step_.tensor_lr", &torchcast::adam_step_tensor_lr_cuda);
-  m.impl("kahan_sum", &torchcast::kahan_sum_cuda);
-  m.impl("kahan_mean", &torchcast::kahan_mean_cuda);
-}
-#endif
-
-// Autograd in C++ (see csrc/cast_autograd.cpp): y's derivative is the
-// identity, stats is not differentiable.
-TORCH_LIBRARY_IMPL(torchcast, Autograd, m) {
-  m.impl("cast_with_stats", &torchcast::cast_with_stats_autograd);
-  m.impl("cast_with_stats.out", &torchcast::cast_with_stats_out_autograd);
 }
 
 // Autocast passes the cast through untouched: re-casting x before the op

@@ -39,10 +39,8 @@
 // value() by the count in float64 first. float64 inputs accumulate in plain
 // float64 (PlainDoubleSum) in the same order.
 //
-// Non-finite values. Neumaier's compensation turns inf into NaN ((inf - inf)
-// in the correction term), so a partial whose sum s is not finite keeps c = 0:
-// s is then the plain float32 sum of the same values, which is what IEEE
-// arithmetic gives for inf, -inf, NaN and overflow.
+// Non-finite values: every partial is settled (numerics.h) as it is formed,
+// so a partial whose sum s is not finite keeps c = 0 and is worth s alone.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -64,8 +62,6 @@ struct CompensatedSum {
   float s = 0.f, c = 0.f;
 
   TC_HD static void add(float& s, float& c, float v) { neumaier_add(s, c, v); }
-  // c is meaningless once s is inf or NaN; see the file comment.
-  TC_HD static float settled(float s, float c) { return (s - s) == 0.f ? c : 0.f; }
   TC_HD static void merge(float& s, float& c, float s2, float c2) {
     neumaier_merge(s, c, s2, c2);
     c = settled(s, c);
@@ -177,5 +173,18 @@ ReducePlan plan_accumulation(const char* op, at::Tensor& x, at::OptionalIntArray
 // types, dim errors from torch itself) and plans the reduction.
 ReducePlan plan_reduce(const char* op, const at::Tensor& x, at::OptionalIntArrayRef dim,
                        bool keepdim, std::optional<at::ScalarType> dtype, bool mean);
+
+// The kernel of kahan_sum (kMean false) or kahan_mean for one backend, whose
+// Backend::reduce(op, x, plan) fills plan.out: checks and plan are the same
+// everywhere. Each backend registers these with its own Backend.
+template <typename Backend, bool kMean>
+at::Tensor kahan_reduce(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
+                        std::optional<at::ScalarType> dtype) {
+  const char* op = kMean ? "kahan_mean" : "kahan_sum";
+  at::Tensor source = x;  // what the kernel reads: x or its float64 copy
+  const ReducePlan plan = plan_accumulation(op, source, dim, keepdim, dtype, kMean);
+  if (!plan.done) Backend::reduce(op, source, plan);
+  return plan.out;
+}
 
 }  // namespace torchcast

@@ -2,11 +2,11 @@
 // for every tensor of a dtype group, parallel over fixed-size chunks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <vector>
 
 #include "../adam_common.h"
-#include "../ops.h"
 #include "simd.h"
 
 namespace torchcast {
@@ -32,19 +32,7 @@ TC_CPU_CLONES void adam_run(const AdamConsts<typename Elem<PT, ST, M, kAmsgrad>:
                             typename Elem<PT, ST, M, kAmsgrad>::C* __restrict__ c, int64_t n) {
   using E = Elem<PT, ST, M, kAmsgrad>;
   const AdamConsts<typename E::T> k = consts;
-  for (int64_t j = 0; j < n; ++j) {
-    typename PT::storage pj = p[j];
-    typename ST::storage mj = m[j], vj = v[j], xj{};
-    typename E::C cj{};
-    if constexpr (kAmsgrad) xj = vmax[j];
-    if constexpr (M != Compensation::kNone) cj = c[j];
-    E::step(k, tconsts, pj, g[j], mj, vj, xj, cj);
-    p[j] = pj;
-    m[j] = mj;
-    v[j] = vj;
-    if constexpr (kAmsgrad) vmax[j] = xj;
-    if constexpr (M != Compensation::kNone) c[j] = cj;
-  }
+  for (int64_t j = 0; j < n; ++j) E::step_at(k, tconsts, j, p, g[j], m, v, vmax, c);
 }
 
 template <typename PT, typename ST, Compensation M, bool kAmsgrad>
@@ -85,63 +73,32 @@ void adam_cpu_typed(std::vector<TensorOperands>& ops, const AdamHyper& h,
   });
 }
 
-}  // namespace
+// The backend of adam_step<> (adam_common.h): lr and grad_scale read on the
+// host, the grads unscaled in place before the pass, as torch's fused Adam
+// leaves them.
+struct CpuAdam {
+  static constexpr bool kUnscalesInKernel = false;
 
-void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                   at::TensorList compensations, at::TensorList state_steps, double lr,
-                   double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
-                   bool maximize, bool decoupled_weight_decay, std::string_view compensation,
-                   const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf) {
-  const Compensation mode =
-      check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                      state_steps, amsgrad, compensation, grad_scale, found_inf);
-  if (params.empty()) return;
-  // A GradScaler step with infs in the gradients changes nothing, step
-  // counts included.
-  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
-  if (grad_scale.has_value()) {
-    // Unscaled in place, as torch's fused Adam leaves them.
+  explicit CpuAdam(const at::Device&) {}
+  double lr_of(double lr) const { return lr; }
+  double lr_of(const at::Tensor& lr) const { return lr.item<double>(); }
+  void unscale(at::TensorList grads, const std::optional<at::Tensor>& grad_scale) const {
+    if (!grad_scale.has_value()) return;
     const double inv = 1.0 / grad_scale->item<double>();
     for (const at::Tensor& g : grads) g.mul_(inv);
   }
-
-  const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, mode};
-  std::vector<double> steps;
-  std::vector<TensorOperands> ops;
-  steps.reserve(params.size());
-  ops.reserve(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    steps.push_back(increment_step(state_steps[i]));
-    ops.emplace_back(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                     amsgrad ? &max_exp_avg_sqs[i] : nullptr,
-                     mode != Compensation::kNone ? &compensations[i] : nullptr);
+  template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+  void run(std::vector<TensorOperands>& ops, const AdamHyper& h,
+           const std::vector<double>& steps) const {
+    adam_cpu_typed<PT, ST, M, kAmsgrad>(ops, h, steps);
   }
+};
 
-  dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,
-                [&](auto pt, auto st, auto m, auto ams) {
-                  adam_cpu_typed<decltype(pt), decltype(st), decltype(m)::value,
-                                 decltype(ams)::value>(ops, h, steps);
-                });
-  for (TensorOperands& o : ops) o.finish();
-}
+}  // namespace
 
-void adam_step_tensor_lr_cpu(at::TensorList params, at::TensorList grads,
-                             at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                             at::TensorList max_exp_avg_sqs, at::TensorList compensations,
-                             at::TensorList state_steps, const at::Tensor& lr, double beta1,
-                             double beta2, double weight_decay, double eps, bool amsgrad,
-                             bool maximize, bool decoupled_weight_decay,
-                             std::string_view compensation,
-                             const std::optional<at::Tensor>& grad_scale,
-                             const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
-  if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
-  adam_step_cpu(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                state_steps, lr.item<double>(), beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                decoupled_weight_decay, compensation, grad_scale, found_inf);
+TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
+  m.impl("adam_step_", &adam_step<CpuAdam, double>);
+  m.impl("adam_step_.tensor_lr", &adam_step<CpuAdam, const at::Tensor&>);
 }
 
 }  // namespace torchcast

@@ -6,13 +6,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/Version.h>
+#include <torch/library.h>
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <array>
 
 #include "../cast_common.h"
-#include "../ops.h"
 #include "cast_avx512.h"
 #include "lanes.h"
 #include "simd.h"
@@ -66,11 +66,7 @@ TC_CPU_CLONES void portable_run(LaneState<From>* __restrict__ st, const From* __
     max_abs[j] = m.abs_err > max_abs[j] ? m.abs_err : max_abs[j];
     max_rel[j] = m.rel_err > max_rel[j] ? m.rel_err : max_rel[j];
   }
-  st->nan += c_nan;
-  st->inexact += c_inexact;
-  st->overflow += c_overflow;
-  st->underflow += c_underflow;
-  st->subnormal += c_subnormal;
+  st->counts.merge(CastCounts<Count>{c_nan, c_inexact, c_overflow, c_underflow, c_subnormal});
 }
 
 template <typename From, typename Target>
@@ -202,37 +198,18 @@ struct CastCpu {
   }
 };
 
-template <typename Target>
-at::Tensor narrowing_from(const at::Tensor& x, at::Tensor& y) {
-  if (x.scalar_type() == at::kDouble) return CastCpu<double, Target>::cast(x, y);
-  return CastCpu<float, Target>::cast(x, y);
-}
-
-at::Tensor cast_into_cpu(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y) {
-  if (classify_cast(x.scalar_type(), dtype) == CastKind::kExact) {
-    y.copy_(x);
-    return exact_cast_stats(x);
+struct CpuCast {
+  template <typename From, typename Target>
+  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y) {
+    return CastCpu<From, Target>::cast(x, y);
   }
-  switch (dtype) {
-    case at::kFloat: return narrowing_from<Float32Target>(x, y);
-    case at::kHalf: return narrowing_from<Float16Target>(x, y);
-    default: return narrowing_from<BFloat16Target>(x, y);
-  }
-}
+};
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> cast_with_stats_cpu(const at::Tensor& x, at::ScalarType dtype) {
-  classify_cast(x.scalar_type(), dtype);
-  auto y = at::empty_like(x, x.options().dtype(dtype));
-  auto stats = cast_into_cpu(x, dtype, y);
-  return {y, stats};
-}
-
-at::Tensor cast_with_stats_out_cpu(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out) {
-  classify_cast(x.scalar_type(), dtype);
-  check_cast_out(x, dtype, out);
-  return cast_into_cpu(x, dtype, out);
+TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
+  m.impl("cast_with_stats", &cast_with_stats<CpuCast>);
+  m.impl("cast_with_stats.out", &cast_with_stats_out<CpuCast>);
 }
 
 }  // namespace torchcast

@@ -84,6 +84,60 @@ TC_AVX512_INLINE uint64_t count(uint32_t mask) {
   return static_cast<uint64_t>(__builtin_popcount(mask));
 }
 
+// The operations of a float32 vector type whose intrinsics differ only in the
+// width written into their names: P and B for the vector (_mm512 and 512),
+// HP and HB for the 16-bit half-width one (_mm256 and 256).
+#define TC_F32_VECTOR_OPS(P, B, HP, HB)                                                          \
+  TC_AVX512_INLINE static V load(const float* p) { return P##_load_ps(p); }                     \
+  TC_AVX512_INLINE static V loadu(const float* p) { return P##_loadu_ps(p); }                   \
+  TC_AVX512_INLINE static void store(float* p, V v) { P##_store_ps(p, v); }                     \
+  TC_AVX512_INLINE static void storeu(float* p, V v) { P##_storeu_ps(p, v); }                   \
+  TC_AVX512_INLINE static V zero() { return P##_setzero_ps(); }                                 \
+  TC_AVX512_INLINE static V set1(float v) { return P##_set1_ps(v); }                            \
+  TC_AVX512_INLINE static V add(V a, V b) { return P##_add_ps(a, b); }                          \
+  TC_AVX512_INLINE static V sub(V a, V b) { return P##_sub_ps(a, b); }                          \
+  TC_AVX512_INLINE static V mul(V a, V b) { return P##_mul_ps(a, b); }                          \
+  TC_AVX512_INLINE static V div(V a, V b) { return P##_div_ps(a, b); }                          \
+  TC_AVX512_INLINE static V max(V a, V b) { return P##_max_ps(a, b); }                          \
+  TC_AVX512_INLINE static V min(V a, V b) { return P##_min_ps(a, b); }                          \
+  TC_AVX512_INLINE static V mask_mov(V src, Mask k, V a) { return P##_mask_mov_ps(src, k, a); } \
+  TC_AVX512_INLINE static V maskz_mov(Mask k, V a) { return P##_maskz_mov_ps(k, a); }           \
+  template <int kPred>                                                                           \
+  TC_AVX512_INLINE static Mask cmp(V a, V b) { return P##_cmp_ps_mask(a, b, kPred); }           \
+  template <int kClass>                                                                          \
+  TC_AVX512_INLINE static Mask fpclass(V a) { return P##_fpclass_ps_mask(a, kClass); }          \
+                                                                                                 \
+  TC_AVX512_INLINE static I bits(V v) { return P##_castps_si##B(v); }                           \
+  TC_AVX512_INLINE static V from_bits(I i) { return P##_castsi##B##_ps(i); }                    \
+  TC_AVX512_INLINE static I set1i(int v) { return P##_set1_epi32(v); }                          \
+  TC_AVX512_INLINE static I addi(I a, I b) { return P##_add_epi32(a, b); }                      \
+  TC_AVX512_INLINE static I andi(I a, I b) { return P##_and_si##B(a, b); }                      \
+  TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) {                                 \
+    return P##_mask_or_epi32(src, k, a, b);                                                      \
+  }                                                                                              \
+  template <int kShift>                                                                          \
+  TC_AVX512_INLINE static I srli(I a) { return P##_srli_epi32(a, kShift); }                    \
+  template <int kShift>                                                                          \
+  TC_AVX512_INLINE static I slli(I a) { return P##_slli_epi32(a, kShift); }                    \
+  TC_AVX512_INLINE static H narrow16(I a) { return P##_cvtepi32_epi16(a); }                     \
+                                                                                                 \
+  TC_AVX512_INLINE static H to_half(V v) {                                                       \
+    return P##_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                      \
+  }                                                                                              \
+  TC_AVX512_INLINE static V from_half(H h) { return P##_cvtph_ps(h); }                          \
+  TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {                                       \
+    HP##_storeu_si##HB(reinterpret_cast<H*>(p), h);                                              \
+  }                                                                                              \
+  /* Of float16 bits h: magnitude outside [lo, lo + span], and magnitude 0. */                   \
+  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {                             \
+    const H mag = HP##_and_si##HB(h, HP##_set1_epi16(0x7fff));                                   \
+    return HP##_cmpgt_epu16_mask(HP##_sub_epi16(mag, HP##_set1_epi16(static_cast<int16_t>(lo))), \
+                                 HP##_set1_epi16(static_cast<int16_t>(span)));                   \
+  }                                                                                              \
+  TC_AVX512_INLINE static Mask half_zero(H h) {                                                  \
+    return HP##_testn_epi16_mask(h, HP##_set1_epi16(0x7fff));                                    \
+  }
+
 // float32 vectors of 16 lanes (float32 sources) and 8 lanes (float64 sources).
 struct F32x16 {
   using V = __m512;
@@ -92,52 +146,8 @@ struct F32x16 {
   using Mask = __mmask16;
   static constexpr int kWidth = 16;
 
-  TC_AVX512_INLINE static V load(const float* p) { return _mm512_load_ps(p); }
-  TC_AVX512_INLINE static V loadu(const float* p) { return _mm512_loadu_ps(p); }
-  TC_AVX512_INLINE static void store(float* p, V v) { _mm512_store_ps(p, v); }
-  TC_AVX512_INLINE static void storeu(float* p, V v) { _mm512_storeu_ps(p, v); }
-  TC_AVX512_INLINE static V zero() { return _mm512_setzero_ps(); }
-  TC_AVX512_INLINE static V set1(float v) { return _mm512_set1_ps(v); }
-  TC_AVX512_INLINE static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  TC_AVX512_INLINE static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  TC_AVX512_INLINE static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  TC_AVX512_INLINE static V div(V a, V b) { return _mm512_div_ps(a, b); }
-  TC_AVX512_INLINE static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  TC_AVX512_INLINE static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  TC_F32_VECTOR_OPS(_mm512, 512, _mm256, 256)
   TC_AVX512_INLINE static V abs(V a) { return _mm512_abs_ps(a); }
-  TC_AVX512_INLINE static V mask_mov(V src, Mask k, V a) { return _mm512_mask_mov_ps(src, k, a); }
-  TC_AVX512_INLINE static V maskz_mov(Mask k, V a) { return _mm512_maskz_mov_ps(k, a); }
-  template <int kPred>
-  TC_AVX512_INLINE static Mask cmp(V a, V b) { return _mm512_cmp_ps_mask(a, b, kPred); }
-  template <int kClass>
-  TC_AVX512_INLINE static Mask fpclass(V a) { return _mm512_fpclass_ps_mask(a, kClass); }
-
-  TC_AVX512_INLINE static I bits(V v) { return _mm512_castps_si512(v); }
-  TC_AVX512_INLINE static V from_bits(I i) { return _mm512_castsi512_ps(i); }
-  TC_AVX512_INLINE static I set1i(int v) { return _mm512_set1_epi32(v); }
-  TC_AVX512_INLINE static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
-  TC_AVX512_INLINE static I andi(I a, I b) { return _mm512_and_si512(a, b); }
-  TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) { return _mm512_mask_or_epi32(src, k, a, b); }
-  template <int kShift>
-  TC_AVX512_INLINE static I srli(I a) { return _mm512_srli_epi32(a, kShift); }
-  template <int kShift>
-  TC_AVX512_INLINE static I slli(I a) { return _mm512_slli_epi32(a, kShift); }
-  TC_AVX512_INLINE static H narrow16(I a) { return _mm512_cvtepi32_epi16(a); }
-
-  TC_AVX512_INLINE static H to_half(V v) {
-    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  TC_AVX512_INLINE static V from_half(H h) { return _mm512_cvtph_ps(h); }
-  TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-  }
-  // Of float16 bits h: magnitude outside [lo, lo + span], and magnitude 0.
-  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {
-    const H mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7fff));
-    return _mm256_cmpgt_epu16_mask(_mm256_sub_epi16(mag, _mm256_set1_epi16(static_cast<int16_t>(lo))),
-                                   _mm256_set1_epi16(static_cast<int16_t>(span)));
-  }
-  TC_AVX512_INLINE static Mask half_zero(H h) { return _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7fff)); }
 };
 
 struct F32x8 {
@@ -147,56 +157,15 @@ struct F32x8 {
   using Mask = __mmask8;
   static constexpr int kWidth = 8;
 
-  TC_AVX512_INLINE static V load(const float* p) { return _mm256_load_ps(p); }
-  TC_AVX512_INLINE static V loadu(const float* p) { return _mm256_loadu_ps(p); }
-  TC_AVX512_INLINE static void store(float* p, V v) { _mm256_store_ps(p, v); }
-  TC_AVX512_INLINE static void storeu(float* p, V v) { _mm256_storeu_ps(p, v); }
-  TC_AVX512_INLINE static V zero() { return _mm256_setzero_ps(); }
-  TC_AVX512_INLINE static V set1(float v) { return _mm256_set1_ps(v); }
-  TC_AVX512_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  TC_AVX512_INLINE static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  TC_AVX512_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  TC_AVX512_INLINE static V div(V a, V b) { return _mm256_div_ps(a, b); }
-  TC_AVX512_INLINE static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  TC_AVX512_INLINE static V min(V a, V b) { return _mm256_min_ps(a, b); }
-  TC_AVX512_INLINE static V abs(V a) {
-    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff)));
-  }
-  TC_AVX512_INLINE static V mask_mov(V src, Mask k, V a) { return _mm256_mask_mov_ps(src, k, a); }
-  TC_AVX512_INLINE static V maskz_mov(Mask k, V a) { return _mm256_maskz_mov_ps(k, a); }
-  template <int kPred>
-  TC_AVX512_INLINE static Mask cmp(V a, V b) { return _mm256_cmp_ps_mask(a, b, kPred); }
-  template <int kClass>
-  TC_AVX512_INLINE static Mask fpclass(V a) { return _mm256_fpclass_ps_mask(a, kClass); }
-
-  TC_AVX512_INLINE static I bits(V v) { return _mm256_castps_si256(v); }
-  TC_AVX512_INLINE static V from_bits(I i) { return _mm256_castsi256_ps(i); }
-  TC_AVX512_INLINE static I set1i(int v) { return _mm256_set1_epi32(v); }
-  TC_AVX512_INLINE static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
-  TC_AVX512_INLINE static I andi(I a, I b) { return _mm256_and_si256(a, b); }
-  TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) { return _mm256_mask_or_epi32(src, k, a, b); }
-  template <int kShift>
-  TC_AVX512_INLINE static I srli(I a) { return _mm256_srli_epi32(a, kShift); }
-  template <int kShift>
-  TC_AVX512_INLINE static I slli(I a) { return _mm256_slli_epi32(a, kShift); }
-  TC_AVX512_INLINE static H narrow16(I a) { return _mm256_cvtepi32_epi16(a); }
-
-  TC_AVX512_INLINE static H to_half(V v) {
-    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  TC_AVX512_INLINE static V from_half(H h) { return _mm256_cvtph_ps(h); }
-  TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-  }
-  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {
-    const H mag = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
-    return _mm_cmpgt_epu16_mask(_mm_sub_epi16(mag, _mm_set1_epi16(static_cast<int16_t>(lo))),
-                                _mm_set1_epi16(static_cast<int16_t>(span)));
-  }
-  TC_AVX512_INLINE static Mask half_zero(H h) { return _mm_testn_epi16_mask(h, _mm_set1_epi16(0x7fff)); }
+  TC_F32_VECTOR_OPS(_mm256, 256, _mm, 128)
+  // AVX-512VL has no 256-bit abs: the sign bits are cleared.
+  TC_AVX512_INLINE static V abs(V a) { return from_bits(andi(bits(a), set1i(0x7fffffff))); }
 };
 
-// neumaier_add where the sum and the term are >= +0 and not NaN.
+#undef TC_F32_VECTOR_OPS
+
+// neumaier_add where the sum and the term are >= +0 and not NaN: there its
+// choice by |sum| >= |term| is max/min, two instructions instead of five.
 template <typename W>
 TC_AVX512_INLINE void add_nonneg(typename W::V& s, typename W::V& c, typename W::V v) {
   const typename W::V t = W::add(s, v);
@@ -518,11 +487,11 @@ struct Kernel {
       n -= done;
       lane = static_cast<int>((lane + done) % kLanes);
     }
-    st->nan += static_cast<int64_t>(acc.nan);
-    st->inexact += static_cast<int64_t>(acc.ne - acc.nan);
-    st->overflow += static_cast<int64_t>(acc.overflow);
-    st->underflow += static_cast<int64_t>(acc.underflow);
-    st->subnormal += static_cast<int64_t>(acc.subnormal);
+    st->counts.nan += static_cast<int64_t>(acc.nan);
+    st->counts.inexact += static_cast<int64_t>(acc.ne - acc.nan);
+    st->counts.overflow += static_cast<int64_t>(acc.overflow);
+    st->counts.underflow += static_cast<int64_t>(acc.underflow);
+    st->counts.subnormal += static_cast<int64_t>(acc.subnormal);
     acc.max.fold_into(st->max_abs, st->max_rel);
   }
 };

@@ -4,27 +4,41 @@
 // is the scalar tree's, bit for bit; vectors only group independent merges
 // (different threads, or the nodes of one tree level), and shuffles move
 // values between lanes without touching them.
+// The 64-byte vectors below never cross a call boundary (everything is
+// inlined), so the ABI note gcc gives for them on non-AVX-512 targets is moot.
+// Set before the includes: numerics.h's templates are instantiated on them.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #include "lanes.h"
 
 #include <cstring>
 #include <utility>
 
-// The 64-byte vectors below never cross a call boundary (everything is
-// inlined), so the ABI note gcc gives for them on non-AVX-512 targets is moot.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace torchcast {
 namespace cpu {
-namespace {
 
 typedef float VF __attribute__((vector_size(64)));
 typedef int32_t VI __attribute__((vector_size(64)));
-constexpr int kV = 16;
+
+}  // namespace cpu
 
 // The helpers are inlined into each clone of the functions below; called out
 // of line they would be compiled for the baseline ISA, 64-byte vectors in
 // memory.
 #define TC_VEC_INLINE inline __attribute__((always_inline))
+
+// |v| lane by lane, so that neumaier_add (numerics.h) runs on 16 lanes at once.
+template <>
+struct Magnitude<cpu::VF> {
+  TC_VEC_INLINE static cpu::VF of(cpu::VF v) {
+    return bit_cast<cpu::VF>(bit_cast<cpu::VI>(v) & 0x7fffffff);
+  }
+};
+
+namespace cpu {
+namespace {
+
+constexpr int kV = 16;
 constexpr int kPairs = kNumSumArrays / 2;
 constexpr int kGroups = kBlockThreads / kV;
 static_assert(kBlockThreads == 128 && kWarp == 32, "the tree below is written for 4 warps of 32");
@@ -33,18 +47,6 @@ TC_VEC_INLINE VF vload(const float* p) {
   VF v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-TC_VEC_INLINE VF vabs(VF v) { return bit_cast<VF>(bit_cast<VI>(v) & 0x7fffffff); }
-
-// neumaier_add (numerics.h), lane by lane.
-TC_VEC_INLINE void vadd(VF& s, VF& c, VF v) {
-  const VF t = s + v;
-  const VI sum_bigger = vabs(s) >= vabs(v);
-  const VF big = sum_bigger ? s : v;
-  const VF small = sum_bigger ? v : s;
-  c += (big - t) + small;
-  s = t;
 }
 
 // The compensated sums of 16 threads: ErrorSums, one thread per lane.
@@ -63,8 +65,7 @@ TC_VEC_INLINE Group zero_group() {
 TC_VEC_INLINE void merge(Group& a, const Group& b, VI keep = VI{} == 0) {
   for (int p = 0; p < kPairs; ++p) {
     VF s = a.s[p], c = a.c[p];
-    vadd(s, c, b.s[p]);
-    c += b.c[p];
+    neumaier_merge(s, c, b.s[p], b.c[p]);
     a.s[p] = keep ? s : a.s[p];
     a.c[p] = keep ? c : a.c[p];
   }

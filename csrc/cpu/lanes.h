@@ -27,24 +27,20 @@ struct LaneState {
   // registers into the first vector.
   alignas(64) From max_abs[kLanes];
   alignas(64) From max_rel[kLanes];
-  int64_t nan, inexact, overflow, underflow, subnormal;
+  CastCounts<int64_t> counts;
 
   void reset() {
     for (auto& a : sums) {
       for (float& v : a) v = 0.f;
     }
     for (int l = 0; l < kLanes; ++l) max_abs[l] = max_rel[l] = From(0);
-    nan = inexact = overflow = underflow = subnormal = 0;
+    counts = {};
   }
 
   // Counts and maxima (sums left empty: finish_lanes reduces them).
   ChunkStats<From> exact() const {
     ChunkStats<From> out;
-    out.nan = nan;
-    out.inexact = inexact;
-    out.overflow = overflow;
-    out.underflow = underflow;
-    out.subnormal = subnormal;
+    out.counts = counts;
     for (int l = 0; l < kLanes; ++l) {
       out.max_abs_err = max_abs[l] > out.max_abs_err ? max_abs[l] : out.max_abs_err;
       out.max_rel_err = max_rel[l] > out.max_rel_err ? max_rel[l] : out.max_rel_err;

@@ -5,11 +5,11 @@
 // whose partials are combined in a fixed order after the parallel loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
 
-#include "../ops.h"
 #include "../reduce_common.h"
 #include "simd.h"
 
@@ -409,44 +409,37 @@ void reduce_one_lane(const typename ReduceSource<scalar_t>::storage* x, const Ax
   }
 }
 
-at::Tensor kahan_reduce_cpu(const char* op, const at::Tensor& x_in, at::OptionalIntArrayRef dim,
-                            bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
-  at::Tensor x = x_in;
-  ReducePlan plan = plan_accumulation(op, x, dim, keepdim, dtype, mean);
-  if (plan.done) return plan.out;
-  const Writer write{plan.out.data_ptr(), plan.out.scalar_type(), static_cast<double>(plan.m),
-                     mean};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce", [&] {
-    const auto* xp = reinterpret_cast<const storage_of<scalar_t>*>(x.const_data_ptr());
-    // One past x's last element: prefetching stops there.
-    int64_t last = 0;
-    for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
-    const void* x_end = xp + last + 1;
-    switch (plan.scheme) {
-      case Scheme::kFull:
-        reduce_full<scalar_t>(xp, plan.reduced, x_end, write);
-        break;
-      case Scheme::kWarpLanes:
-        reduce_warp_lanes<scalar_t>(xp, plan.kept, plan.reduced, x_end, write);
-        break;
-      case Scheme::kOneLane:
-        reduce_one_lane<scalar_t>(xp, plan.kept, plan.reduced, x_end, write);
-        break;
-    }
-  });
-  return plan.out;
-}
+// The backend of kahan_reduce<> (reduce_common.h).
+struct CpuReduce {
+  static void reduce(const char* /*op*/, const at::Tensor& x, const ReducePlan& plan) {
+    const Writer write{plan.out.data_ptr(), plan.out.scalar_type(), static_cast<double>(plan.m),
+                       plan.mean};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce", [&] {
+      const auto* xp = reinterpret_cast<const storage_of<scalar_t>*>(x.const_data_ptr());
+      // One past x's last element: prefetching stops there.
+      int64_t last = 0;
+      for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+      const void* x_end = xp + last + 1;
+      switch (plan.scheme) {
+        case Scheme::kFull:
+          reduce_full<scalar_t>(xp, plan.reduced, x_end, write);
+          break;
+        case Scheme::kWarpLanes:
+          reduce_warp_lanes<scalar_t>(xp, plan.kept, plan.reduced, x_end, write);
+          break;
+        case Scheme::kOneLane:
+          reduce_one_lane<scalar_t>(xp, plan.kept, plan.reduced, x_end, write);
+          break;
+      }
+    });
+  }
+};
 
 }  // namespace
 
-at::Tensor kahan_sum_cpu(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
-                         std::optional<at::ScalarType> dtype) {
-  return kahan_reduce_cpu("kahan_sum", x, dim, keepdim, dtype, false);
-}
-
-at::Tensor kahan_mean_cpu(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
-                          std::optional<at::ScalarType> dtype) {
-  return kahan_reduce_cpu("kahan_mean", x, dim, keepdim, dtype, true);
+TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
+  m.impl("kahan_sum", &kahan_reduce<CpuReduce, /*kMean=*/false>);
+  m.impl("kahan_mean", &kahan_reduce<CpuReduce, /*kMean=*/true>);
 }
 
 }  // namespace torchcast

@@ -13,13 +13,13 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "../adam_common.h"
-#include "../ops.h"
 
 namespace torchcast {
 namespace {
@@ -96,22 +96,12 @@ __global__ void __launch_bounds__(kAdamThreads)
   const int64_t rest = a.numel - begin;
   const int64_t end = begin + (rest < kAdamChunk ? rest : kAdamChunk);
   for (int64_t j = begin + threadIdx.x; j < end; j += kAdamThreads) {
-    P pj = p[j];
     P gj = g[j];
     if (ds.grad_scale != nullptr) {
       gj = PT::round(PT::widen(gj) * inv_scale);
       g[j] = gj;
     }
-    S mj = m[j], vj = v[j], xj{};
-    C cj{};
-    if constexpr (kAmsgrad) xj = vmax[j];
-    if constexpr (M != Compensation::kNone) cj = c[j];
-    E::step(k, t, pj, gj, mj, vj, xj, cj);
-    p[j] = pj;
-    m[j] = mj;
-    v[j] = vj;
-    if constexpr (kAmsgrad) vmax[j] = xj;
-    if constexpr (M != Compensation::kNone) c[j] = cj;
+    E::step_at(k, t, j, p, gj, m, v, vmax, c);
   }
 }
 
@@ -159,86 +149,48 @@ at::Tensor device_double(const at::Tensor& t, const at::Device& device) {
   return t.reshape({1}).to(opts);
 }
 
-// lr_on_device: the tensor lr (then h.lr is unused), or undefined.
-void adam_step_cuda_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                         at::TensorList compensations, at::TensorList state_steps,
-                         const AdamHyper& h, const at::Tensor& lr_on_device,
-                         const std::optional<at::Tensor>& grad_scale,
-                         const std::optional<at::Tensor>& found_inf) {
-  if (params.empty()) return;
-  const at::Device device = params[0].device();
+const at::Device& cuda_device(const at::Device& device) {
   TORCH_CHECK(device.is_cuda(), "torchcast.adam_step_: the CUDA kernel got params on ", device);
-  const c10::cuda::CUDAGuard guard(device);
-  // A GradScaler step with infs in the gradients changes nothing, step
-  // counts included. The counts live on the host, so a device found_inf is
-  // read here: the one synchronization of the op, only when found_inf is
-  // passed.
-  if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
-
-  at::Tensor scale;
-  if (grad_scale.has_value()) scale = device_double(*grad_scale, device);
-  const at::Tensor lr = lr_on_device.defined() ? device_double(lr_on_device, device) : at::Tensor();
-  const DeviceScalars ds{lr.defined() ? lr.data_ptr<double>() : nullptr,
-                         scale.defined() ? scale.data_ptr<double>() : nullptr, h.weight_decay,
-                         h.decoupled};
-
-  std::vector<double> steps;
-  std::vector<TensorOperands> ops;
-  steps.reserve(params.size());
-  ops.reserve(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    steps.push_back(increment_step(state_steps[i]));
-    ops.emplace_back(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                     h.amsgrad ? &max_exp_avg_sqs[i] : nullptr,
-                     h.mode != Compensation::kNone ? &compensations[i] : nullptr,
-                     /*grad_mutated=*/grad_scale.has_value());
-  }
-  dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), h.mode, h.amsgrad,
-                [&](auto pt, auto st, auto m, auto ams) {
-                  adam_cuda_typed<decltype(pt), decltype(st), decltype(m)::value,
-                                  decltype(ams)::value>(ops, h, steps, ds, device);
-                });
-  for (TensorOperands& o : ops) o.finish();
+  return device;
 }
+
+// The backend of adam_step<> (adam_common.h): a tensor lr and grad_scale are
+// read on the device, by the kernel, which also unscales the grads there.
+class CudaAdam {
+ public:
+  static constexpr bool kUnscalesInKernel = true;
+
+  explicit CudaAdam(const at::Device& device) : guard_(cuda_device(device)), device_(device) {}
+
+  double lr_of(double lr) const { return lr; }
+  // 0 is never read: the device computes the lr-dependent constants.
+  double lr_of(const at::Tensor& lr) {
+    lr_ = device_double(lr, device_);
+    return 0.0;
+  }
+  void unscale(at::TensorList, const std::optional<at::Tensor>& grad_scale) {
+    if (grad_scale.has_value()) scale_ = device_double(*grad_scale, device_);
+  }
+  template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+  void run(const std::vector<TensorOperands>& ops, const AdamHyper& h,
+           const std::vector<double>& steps) const {
+    const DeviceScalars ds{lr_.defined() ? lr_.data_ptr<double>() : nullptr,
+                           scale_.defined() ? scale_.data_ptr<double>() : nullptr,
+                           h.weight_decay, h.decoupled};
+    adam_cuda_typed<PT, ST, M, kAmsgrad>(ops, h, steps, ds, device_);
+  }
+
+ private:
+  const c10::cuda::CUDAGuard guard_;
+  const at::Device device_;
+  at::Tensor lr_, scale_;  // float64 on the device, where passed
+};
 
 }  // namespace
 
-void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                    at::TensorList compensations, at::TensorList state_steps, double lr,
-                    double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
-                    bool maximize, bool decoupled_weight_decay, std::string_view compensation,
-                    const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf) {
-  const Compensation mode =
-      check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                      state_steps, amsgrad, compensation, grad_scale, found_inf);
-  const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, mode};
-  adam_step_cuda_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                      state_steps, h, at::Tensor(), grad_scale, found_inf);
-}
-
-void adam_step_tensor_lr_cuda(at::TensorList params, at::TensorList grads,
-                              at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                              at::TensorList max_exp_avg_sqs, at::TensorList compensations,
-                              at::TensorList state_steps, const at::Tensor& lr, double beta1,
-                              double beta2, double weight_decay, double eps, bool amsgrad,
-                              bool maximize, bool decoupled_weight_decay,
-                              std::string_view compensation,
-                              const std::optional<at::Tensor>& grad_scale,
-                              const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
-  if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
-  const Compensation mode =
-      check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                      state_steps, amsgrad, compensation, grad_scale, found_inf);
-  // lr = 0 is never read: the device computes the lr-dependent constants.
-  const AdamHyper h{0.0, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, mode};
-  adam_step_cuda_impl(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                      state_steps, h, lr, grad_scale, found_inf);
+TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+  m.impl("adam_step_", &adam_step<CudaAdam, double>);
+  m.impl("adam_step_.tensor_lr", &adam_step<CudaAdam, const at::Tensor&>);
 }
 
 }  // namespace torchcast

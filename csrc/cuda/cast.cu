@@ -16,13 +16,13 @@
 #include <ATen/cuda/detail/OffsetCalculator.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 
 #include "../cast_common.h"
-#include "../ops.h"
 #include "block_reduce.cuh"
 
 namespace torchcast {
@@ -38,18 +38,18 @@ struct ThreadStats {
   static constexpr int kVec = vec_of<From>();
   ErrorSums lane[kVec];
   // At most kChunk / kBlockThreads elements per thread and chunk.
-  int32_t nan = 0, inexact = 0, overflow = 0, underflow = 0, subnormal = 0;
+  CastCounts<int32_t> counts;
   From max_abs = 0, max_rel = 0;
 
   // Measures x into lane v (a compile-time index after unrolling, so that the
   // lanes stay in registers) and returns the rounded value.
   __device__ __forceinline__ typename Target::storage add(int v, From x) {
     const ElementMeasure<Target, From> m(x);
-    nan += m.nan;
-    inexact += m.inexact;
-    overflow += m.overflow;
-    underflow += m.underflow;
-    subnormal += m.subnormal;
+    counts.nan += m.nan;
+    counts.inexact += m.inexact;
+    counts.overflow += m.overflow;
+    counts.underflow += m.underflow;
+    counts.subnormal += m.subnormal;
     neumaier_add(lane[v].abs_s, lane[v].abs_c, m.abs_err_f);
     neumaier_add(lane[v].sq_err_s, lane[v].sq_err_c, m.sq_err_f);
     neumaier_add(lane[v].sq_s, lane[v].sq_c, m.sq_f);
@@ -58,14 +58,10 @@ struct ThreadStats {
     return m.y;
   }
 
-  // Lanes merged lane 0 first into an empty sum, as LaneState::finish does.
+  // Lanes merged lane 0 first into an empty sum, as cpu::finish_lanes does.
   __device__ __forceinline__ ChunkStats<From> finish() const {
     ChunkStats<From> out;
-    out.nan = nan;
-    out.inexact = inexact;
-    out.overflow = overflow;
-    out.underflow = underflow;
-    out.subnormal = subnormal;
+    out.counts.merge(counts);
     out.max_abs_err = max_abs;
     out.max_rel_err = max_rel;
 #pragma unroll
@@ -215,79 +211,56 @@ void launch_cast(const From* x, typename Target::storage* y, const Offsets& offs
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename From, typename Target>
-at::Tensor narrowing_cast_cuda(const at::Tensor& x, at::Tensor& y) {
-  using Storage = typename Target::storage;
-  constexpr int kVec = vec_of<From>();
+// The backend of cast_with_stats<> (cast_common.h).
+struct CudaCast {
+  template <typename From, typename Target>
+  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y) {
+    using Storage = typename Target::storage;
+    constexpr int kVec = vec_of<From>();
+    const c10::cuda::CUDAGuard guard(x.device());
 
-  auto iter = cast_iterator(x, y);
-  const int64_t numel = iter.numel();
-  const int64_t nchunks = (numel + kChunk - 1) / kChunk;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    auto iter = cast_iterator(x, y);
+    const int64_t numel = iter.numel();
+    const int64_t nchunks = (numel + kChunk - 1) / kChunk;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  auto stats = at::empty({kNumStats}, x.options().dtype(at::kDouble));
-  auto partial_bytes = at::empty(
-      {std::max<int64_t>(nchunks, 1) * static_cast<int64_t>(sizeof(ChunkStats<From>))},
-      x.options().dtype(at::kByte));
-  auto* partials = static_cast<ChunkStats<From>*>(partial_bytes.data_ptr());
+    auto stats = at::empty({kNumStats}, x.options().dtype(at::kDouble));
+    auto partial_bytes = at::empty(
+        {std::max<int64_t>(nchunks, 1) * static_cast<int64_t>(sizeof(ChunkStats<From>))},
+        x.options().dtype(at::kByte));
+    auto* partials = static_cast<ChunkStats<From>*>(partial_bytes.data_ptr());
 
-  if (numel > 0) {
-    auto* yp = static_cast<Storage*>(iter.data_ptr(0));
-    const auto* xp = static_cast<const From*>(iter.data_ptr(1));
-    if (iter.is_contiguous()) {
-      const bool aligned = reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
-                           reinterpret_cast<uintptr_t>(yp) % (kVec * sizeof(Storage)) == 0;
-      if (aligned) {
-        launch_cast<From, Target, LinearOffsets, true>(xp, yp, {}, numel, partials, stream);
+    if (numel > 0) {
+      auto* yp = static_cast<Storage*>(iter.data_ptr(0));
+      const auto* xp = static_cast<const From*>(iter.data_ptr(1));
+      if (iter.is_contiguous()) {
+        const bool aligned = reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
+                             reinterpret_cast<uintptr_t>(yp) % (kVec * sizeof(Storage)) == 0;
+        if (aligned) {
+          launch_cast<From, Target, LinearOffsets, true>(xp, yp, {}, numel, partials, stream);
+        } else {
+          launch_cast<From, Target, LinearOffsets, false>(xp, yp, {}, numel, partials, stream);
+        }
+      } else if (iter.can_use_32bit_indexing()) {
+        launch_cast<From, Target, IterOffsets<uint32_t>, false>(
+            xp, yp, iter_offsets<uint32_t>(iter), numel, partials, stream);
       } else {
-        launch_cast<From, Target, LinearOffsets, false>(xp, yp, {}, numel, partials, stream);
+        launch_cast<From, Target, IterOffsets<uint64_t>, false>(
+            xp, yp, iter_offsets<uint64_t>(iter), numel, partials, stream);
       }
-    } else if (iter.can_use_32bit_indexing()) {
-      launch_cast<From, Target, IterOffsets<uint32_t>, false>(
-          xp, yp, iter_offsets<uint32_t>(iter), numel, partials, stream);
-    } else {
-      launch_cast<From, Target, IterOffsets<uint64_t>, false>(
-          xp, yp, iter_offsets<uint64_t>(iter), numel, partials, stream);
     }
+    finish_stats_kernel<From><<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,
+                                                               stats.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return stats;
   }
-  finish_stats_kernel<From><<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,
-                                                             stats.data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return stats;
-}
-
-// Only the five lossy pairs are instantiated (float32 -> float32 is exact).
-at::Tensor cast_into_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y) {
-  if (classify_cast(x.scalar_type(), dtype) == CastKind::kExact) {
-    y.copy_(x);
-    return exact_cast_stats(x);
-  }
-  if (x.scalar_type() == at::kDouble) {
-    switch (dtype) {
-      case at::kFloat: return narrowing_cast_cuda<double, Float32Target>(x, y);
-      case at::kHalf: return narrowing_cast_cuda<double, Float16Target>(x, y);
-      default: return narrowing_cast_cuda<double, BFloat16Target>(x, y);
-    }
-  }
-  if (dtype == at::kHalf) return narrowing_cast_cuda<float, Float16Target>(x, y);
-  return narrowing_cast_cuda<float, BFloat16Target>(x, y);
-}
+};
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> cast_with_stats_cuda(const at::Tensor& x, at::ScalarType dtype) {
-  classify_cast(x.scalar_type(), dtype);
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty_like(x, x.options().dtype(dtype));
-  auto stats = cast_into_cuda(x, dtype, y);
-  return {y, stats};
-}
-
-at::Tensor cast_with_stats_out_cuda(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out) {
-  classify_cast(x.scalar_type(), dtype);
-  check_cast_out(x, dtype, out);
-  const c10::cuda::CUDAGuard guard(x.device());
-  return cast_into_cuda(x, dtype, out);
+TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+  m.impl("cast_with_stats", &cast_with_stats<CudaCast>);
+  m.impl("cast_with_stats.out", &cast_with_stats_out<CudaCast>);
 }
 
 }  // namespace torchcast

@@ -19,11 +19,11 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "../ops.h"
 #include "../reduce_common.h"
 #include "block_reduce.cuh"
 
@@ -309,27 +309,20 @@ void launch_reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) 
   }
 }
 
-at::Tensor kahan_reduce_cuda(const char* op, const at::Tensor& x_in, at::OptionalIntArrayRef dim,
-                             bool keepdim, std::optional<at::ScalarType> dtype, bool mean) {
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  at::Tensor x = x_in;
-  ReducePlan plan = plan_accumulation(op, x, dim, keepdim, dtype, mean);
-  if (plan.done) return plan.out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce_cuda",
-                                  [&] { launch_reduce<scalar_t>(op, x, plan); });
-  return plan.out;
-}
+// The backend of kahan_reduce<> (reduce_common.h).
+struct CudaReduce {
+  static void reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce_cuda",
+                                    [&] { launch_reduce<scalar_t>(op, x, plan); });
+  }
+};
 
 }  // namespace
 
-at::Tensor kahan_sum_cuda(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
-                          std::optional<at::ScalarType> dtype) {
-  return kahan_reduce_cuda("kahan_sum", x, dim, keepdim, dtype, false);
-}
-
-at::Tensor kahan_mean_cuda(const at::Tensor& x, at::OptionalIntArrayRef dim, bool keepdim,
-                           std::optional<at::ScalarType> dtype) {
-  return kahan_reduce_cuda("kahan_mean", x, dim, keepdim, dtype, true);
+TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+  m.impl("kahan_sum", &kahan_reduce<CudaReduce, /*kMean=*/false>);
+  m.impl("kahan_mean", &kahan_reduce<CudaReduce, /*kMean=*/true>);
 }
 
 }  // namespace torchcast
