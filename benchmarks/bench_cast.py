@@ -21,7 +21,7 @@ import torch
 import protocol
 import torchcast  # noqa: F401  (registers torch.ops.torchcast)
 from torchcast import _ops
-from torchcast._reference import LOSSY_PAIRS
+from torchcast._reference.cast import LOSSY_PAIRS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OP = torch.ops.torchcast.cast_with_stats

@@ -28,7 +28,7 @@ import torch
 import protocol
 import torchcast
 import torchcast.optim
-from torchcast import _reference
+from torchcast._reference import cast as cast_ref
 
 op = torch.ops.torchcast.cast_with_stats
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ def rows_for(args, copy_gbs):
         })
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for src, dst in _reference.LOSSY_PAIRS:
+    for src, dst in cast_ref.LOSSY_PAIRS:
         x = torch.randn(n, generator=g, device="cuda", dtype=src) * 100
         nbytes = n * (x.element_size() + torch.empty((), dtype=dst).element_size())
         out = torch.empty(n, device="cuda", dtype=dst)

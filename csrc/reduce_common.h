@@ -1,5 +1,5 @@
 // The canonical order of kahan_sum / kahan_mean, shared by the CPU kernel
-// (csrc/cpu/reduce.cpp), the pure-PyTorch fallback (torchcast/_reduce_reference.py)
+// (csrc/cpu/reduce.cpp), the pure-PyTorch fallback (torchcast/_reference/reduce.py)
 // and a CUDA kernel, which must all produce the same bits.
 //
 // Sequence. The elements that make up one output are visited in x's memory

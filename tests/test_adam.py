@@ -16,7 +16,7 @@ from torch.testing._internal.common_optimizers import (
 
 import torchcast
 from torchcast.optim import Adam, AdamW
-from torchcast.optim import _reference as ref
+from torchcast._reference import adam as ref
 
 OPS = torch.ops.torchcast
 CLASSES = [(Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)]
@@ -126,7 +126,7 @@ def assert_operands_match(a, b, tol_f64=False):
     for name, la, lb in zip(names, a, b):
         for x, y in zip(la, lb):
             if tol_f64 and x.dtype == torch.float64:
-                # torch's float64 sqrt is not correctly rounded (see _reference)
+                # torch's float64 sqrt is not correctly rounded (see _reference/adam.py)
                 torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-300, equal_nan=True)
             else:
                 assert_same_bits(x, y, name)

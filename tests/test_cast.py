@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchcast
-from torchcast import _ops, _reference
+from torchcast import _ops
+from torchcast._reference import cast as cast_ref
 from torchcast.stats import CastStats
 
 from numpy_ref import edge_values, round_to_format, stats_reference, to_numpy64
 
-PAIRS = _reference.LOSSY_PAIRS
+PAIRS = cast_ref.LOSSY_PAIRS
 PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
 EXACT_FIELDS = ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
                 "max_abs_err", "max_rel_err")
@@ -132,7 +133,7 @@ def test_non_contiguous_layouts(src, dst):
         y, s = op_stats(x, dst)
         assert y.stride() == torch.empty_like(x, dtype=dst).stride()
         assert_matches_reference(x, dst, y, s)
-        _, ref_stats = _reference.cast_with_stats(x, dst)
+        _, ref_stats = cast_ref.cast_with_stats(x, dst)
         assert torch.equal(torch.ops.torchcast.cast_with_stats(x, dst)[1], ref_stats)
 
 
@@ -272,7 +273,7 @@ def test_hypothesis_against_references(case):
     x, dst = case
     y, s = op_stats(x, dst)
     assert_matches_reference(x, dst, y, s)
-    _, ref_stats = _reference.cast_with_stats(x, dst)
+    _, ref_stats = cast_ref.cast_with_stats(x, dst)
     assert torch.equal(torch.ops.torchcast.cast_with_stats(x, dst)[1], ref_stats)
 
 
@@ -490,10 +491,10 @@ ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtyp
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_unsupported_dtype_named_as_python_writes_it(dtype):
-    if dtype in _reference.LOSSY_PAIRS[0] + (torch.float16, torch.bfloat16):
+    if dtype in cast_ref.LOSSY_PAIRS[0] + (torch.float16, torch.bfloat16):
         return
     x = torch.zeros(3)
-    for cast in (torch.ops.torchcast.cast_with_stats, _reference.cast_with_stats):
+    for cast in (torch.ops.torchcast.cast_with_stats, cast_ref.cast_with_stats):
         with pytest.raises(TypeError) as err:
             cast(x, dtype)
         assert str(dtype) in str(err.value), str(err.value)
@@ -540,7 +541,7 @@ def test_float32_to_float16_nan_bits_match_torch_for_every_payload():
     y, stats = torch.ops.torchcast.cast_with_stats(x, torch.float16)
     assert torch.equal(bits16(y), want)
     assert stats[1] == x.numel()
-    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.float16)), want)
+    assert torch.equal(bits16(cast_ref.correctly_rounded(x, torch.float16)), want)
     strided = torch.stack([x, x], 1)[:, 0]
     assert torch.equal(bits16(torch.ops.torchcast.cast_with_stats(strided, torch.float16)[0]), want)
 
@@ -555,7 +556,7 @@ def test_float32_to_bfloat16_nan_is_0x7fc0_for_every_payload():
         torch.backends.cpu.get_cpu_capability() == "DEFAULT"
     y, _ = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
     assert bool((bits16(y) == 0x7FC0).all())
-    assert bool((bits16(_reference.correctly_rounded(x, torch.bfloat16)) == 0x7FC0).all())
+    assert bool((bits16(cast_ref.correctly_rounded(x, torch.bfloat16)) == 0x7FC0).all())
 
 
 def test_float64_nan_bits_match_torch():
@@ -563,13 +564,13 @@ def test_float64_nan_bits_match_torch():
     y32, _ = torch.ops.torchcast.cast_with_stats(x, torch.float32)
     want32 = x.to(torch.float32).view(torch.int32)
     assert torch.equal(y32.view(torch.int32), want32)
-    assert torch.equal(_reference.correctly_rounded(x, torch.float32).view(torch.int32), want32)
+    assert torch.equal(cast_ref.correctly_rounded(x, torch.float32).view(torch.int32), want32)
     y16, _ = torch.ops.torchcast.cast_with_stats(x, torch.float16)
     assert torch.equal(bits16(y16), bits16(x.to(torch.float16)))
-    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.float16)), bits16(y16))
+    assert torch.equal(bits16(cast_ref.correctly_rounded(x, torch.float16)), bits16(y16))
     yb, _ = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
     assert bool((bits16(yb) == 0x7FC0).all())
-    assert torch.equal(bits16(_reference.correctly_rounded(x, torch.bfloat16)), bits16(yb))
+    assert torch.equal(bits16(cast_ref.correctly_rounded(x, torch.bfloat16)), bits16(yb))
 
 
 # --- devices: the fake kernels refuse a meta tensor among real ones -----------------
@@ -649,7 +650,7 @@ def test_out_refuses_autograd_like_torch():
     with pytest.raises(RuntimeError, match=OUT_GRAD):
         torch.add(x, 1, out=torch.empty(6, dtype=torch.float64))  # torch's own wording
     for call in (torch.ops.torchcast.cast_with_stats.out, _ops.cast_with_stats,
-                 _reference.cast_with_stats):
+                 cast_ref.cast_with_stats):
         for a, o in ((x, out), (x.detach(), leaf)):
             with pytest.raises(RuntimeError, match=OUT_GRAD):
                 call(a, torch.float16, out=o)
@@ -685,7 +686,7 @@ def aliasing_outs():
 def test_out_aliasing_x_or_itself_raises_before_writing(case):
     name, x, out = list(aliasing_outs())[case]
     dtype = out.dtype
-    for call in (torch.ops.torchcast.cast_with_stats.out, _reference.cast_with_stats):
+    for call in (torch.ops.torchcast.cast_with_stats.out, cast_ref.cast_with_stats):
         x_before = x.clone()
         with pytest.raises(RuntimeError, match="shares memory with x|elements share memory"):
             call(x, dtype, out=out)

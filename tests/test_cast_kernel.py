@@ -1,5 +1,5 @@
-"""The CPU cast_with_stats kernel's loops against torchcast/_reference.py, bit
-for bit, on data aimed at their edges: partial vectors and rows, chunk
+"""The CPU cast_with_stats kernel's loops against torchcast/_reference/cast.py,
+bit for bit, on data aimed at their edges: partial vectors and rows, chunk
 boundaries, strided runs, NaN/inf/subnormal/overflow/underflow values, raw bit
 patterns, and float64 values at or next to float16/bfloat16 rounding
 midpoints (where rounding to nearest float32 first would round twice). The
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from torchcast import _reference
+import torchcast
+from torchcast._reference import cast as cast_ref
 
-PAIRS = _reference.LOSSY_PAIRS
+PAIRS = cast_ref.LOSSY_PAIRS
 PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
 BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
         torch.bfloat16: torch.int16}
@@ -74,7 +75,7 @@ def check(x, dst, out=None):
         y, s = OP(x, dst)
     else:
         y, s = out, OP.out(x, dst, out=out)
-    yr, sr = _reference.cast_with_stats(x, dst, None if out is None else torch.empty_like(out))
+    yr, sr = cast_ref.cast_with_stats(x, dst, None if out is None else torch.empty_like(out))
     assert same(y, yr)
     assert same(s, sr), (s.tolist(), sr.tolist())
 
@@ -145,7 +146,7 @@ def test_portable_loop_matches_avx512(tmp_path):
         assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
         torch.save([torch.ops.torchcast.cast_with_stats(x, d) for x, d in cases], sys.argv[2])
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(_reference.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(torchcast.__file__)))
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],

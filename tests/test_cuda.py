@@ -15,7 +15,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import torchcast
-from torchcast import _ops, _reference
+from torchcast import _ops
+from torchcast._reference import cast as cast_ref
 from torchcast.stats import CastStats
 
 from numpy_ref import edge_values, round_to_format, stats_reference, to_numpy64
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 op = torch.ops.torchcast.cast_with_stats
-LOSSY = _reference.LOSSY_PAIRS
+LOSSY = cast_ref.LOSSY_PAIRS
 EXACT = ((torch.float16, torch.float32), (torch.bfloat16, torch.float64),
          (torch.float32, torch.float32), (torch.float32, torch.float64),
          (torch.float64, torch.float64))
@@ -88,7 +89,7 @@ def assert_same(cpu, gpu):
     assert torch.equal(s_gpu.view(torch.int64), s_cpu.view(torch.int64)), (
         "stats differ from the CPU op:\n"
         + "\n".join(f"  {f}: cpu {a!r} cuda {b!r}" for f, a, b in
-                    zip(_reference.STAT_FIELDS, s_cpu.tolist(), s_gpu.tolist()) if a != b))
+                    zip(cast_ref.STAT_FIELDS, s_cpu.tolist(), s_gpu.tolist()) if a != b))
 
 
 def both(base, dtype, view=lambda t: t):
@@ -120,7 +121,7 @@ def test_exact_pairs_match_cpu(pair):
     x = torch.randn(70001, dtype=torch.float64).to(src)
     cpu, gpu = both(x, dst)
     assert_same(cpu, gpu)
-    assert gpu[1].cpu().tolist() == [70001.0] + [0.0] * (len(_reference.STAT_FIELDS) - 1)
+    assert gpu[1].cpu().tolist() == [70001.0] + [0.0] * (len(cast_ref.STAT_FIELDS) - 1)
 
 
 @pytest.mark.parametrize("pair", LOSSY, ids=pair_id)
@@ -635,7 +636,7 @@ def test_adam_errors_on_cuda():
 # canonical one), so NaNs are compared by position.
 
 from test_reduce import make_input, reductions  # noqa: E402
-from torchcast import _reduce_reference as R  # noqa: E402
+from torchcast._reference import reduce as R  # noqa: E402
 
 KAHAN = {False: torch.ops.torchcast.kahan_sum, True: torch.ops.torchcast.kahan_mean}
 

@@ -1,5 +1,5 @@
 """kahan_sum / kahan_mean: accuracy against math.fsum and numpy float64, the
-kernel's order restated in PyTorch (torchcast/_reduce_reference.py) bit for
+kernel's order restated in PyTorch (torchcast/_reference/reduce.py) bit for
 bit, thread-count determinism, torch's error types, opcheck, autograd,
 torch.compile and the fallback.
 
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import torchcast
 from torchcast import _ops
-from torchcast import _reduce_reference as R
+from torchcast._reference import order
+from torchcast._reference import reduce as R
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 U32 = 2.0 ** -24  # float32 unit roundoff
@@ -45,11 +46,11 @@ def ulp(v, dtype):
 def chain_length(n, elem_size=4):
     """Longest chain of compensated additions one element goes through in the
     full-reduction order of csrc/reduce_common.h (each merge is two)."""
-    lanes = R.BLOCK_THREADS * (16 // elem_size)
-    nchunks = max(1, -(-n // R.CHUNK))
-    tree = 2 * int(math.log2(R.BLOCK_THREADS))
-    return (R.CHUNK // lanes + 2 * (16 // elem_size) + 2 * tree
-            + 2 * -(-nchunks // R.BLOCK_THREADS))
+    lanes = order.BLOCK_THREADS * (16 // elem_size)
+    nchunks = max(1, -(-n // order.CHUNK))
+    tree = 2 * int(math.log2(order.BLOCK_THREADS))
+    return (order.CHUNK // lanes + 2 * (16 // elem_size) + 2 * tree
+            + 2 * -(-nchunks // order.BLOCK_THREADS))
 
 
 # ---------------------------------------------------------------------------

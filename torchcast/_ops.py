@@ -11,12 +11,12 @@ _C = _loader.load_extension()
 if _C is None:
     from . import _python_ops  # noqa: F401  (defines the ops, with reference kernels)
 
-from . import _reference
+from ._reference import cast as cast_reference
+from .stats import STAT_FIELDS
 
 _ops = torch.ops.torchcast
 WITH_EXTENSION = _C is not None
 WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
-STAT_FIELDS = _reference.STAT_FIELDS
 
 
 # ---------------------------------------------------------------------------
@@ -24,14 +24,14 @@ STAT_FIELDS = _reference.STAT_FIELDS
 
 @torch.library.register_fake("torchcast::cast_with_stats")
 def _cast_with_stats_fake(x, dtype):
-    _reference.classify_cast(x.dtype, dtype)
+    cast_reference.classify_cast(x.dtype, dtype)
     return torch.empty_like(x, dtype=dtype), x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
 @torch.library.register_fake("torchcast::cast_with_stats.out")
 def _cast_with_stats_out_fake(x, dtype, *, out):
-    _reference.classify_cast(x.dtype, dtype)
-    _reference.check_out_devices(x, out)
+    cast_reference.classify_cast(x.dtype, dtype)
+    cast_reference.check_out_devices(x, out)
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
@@ -65,9 +65,9 @@ def cast_with_stats(x, dtype, out=None):
     if not has_kernel("cast_with_stats", x.device):
         _warn_fallback(x.device)
         if x.requires_grad and torch.is_grad_enabled() and out is None:
-            y, stats = _reference.cast_with_stats(x.detach(), dtype)
+            y, stats = cast_reference.cast_with_stats(x.detach(), dtype)
             return _FallbackCast.apply(x, y), stats
-        return _reference.cast_with_stats(x, dtype, out)
+        return cast_reference.cast_with_stats(x, dtype, out)
     if out is not None:
         return out, _ops.cast_with_stats.out(x, dtype, out=out)
     return _ops.cast_with_stats(x, dtype)
@@ -151,25 +151,25 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
        lr=lr, **kwargs)
 
 # kahan_sum / kahan_mean: compensated float32 reductions. Kernel order in
-# csrc/reduce_common.h; the fallback in _reduce_reference.py reproduces it.
+# csrc/reduce_common.h; the fallback in _reference/reduce.py reproduces it.
 
 import math  # noqa: E402
 
-from . import _reduce_reference  # noqa: E402
+from ._reference import reduce as reduce_reference  # noqa: E402
 
 
 def _kahan_fake(op):
     def fake(x, dim=None, keepdim=False, *, dtype=None):
-        _reduce_reference.check_dtypes(op, x, dtype)
-        dims = _reduce_reference.reduce_dims(x, dim)
-        return x.new_empty(_reduce_reference.out_shape(x, dims, keepdim), dtype=dtype or x.dtype)
+        reduce_reference.check_dtypes(op, x, dtype)
+        dims = reduce_reference.reduce_dims(x, dim)
+        return x.new_empty(reduce_reference.out_shape(x, dims, keepdim), dtype=dtype or x.dtype)
     return fake
 
 
 def _kahan_setup_context(ctx, inputs, keyword_only_inputs, output):
     x, dim, keepdim = inputs
     ctx.shape, ctx.dtype, ctx.keepdim = x.shape, x.dtype, keepdim
-    ctx.dims = _reduce_reference.reduce_dims(x, dim)
+    ctx.dims = reduce_reference.reduce_dims(x, dim)
     ctx.count = math.prod(x.shape[d] for d in ctx.dims)
 
 
@@ -202,7 +202,7 @@ def kahan_reduce(x, dim, keepdim, dtype, mean):
     fallback where no kernel exists. dim: None or a list of ints."""
     if not has_kernel("kahan_mean" if mean else "kahan_sum", x.device):
         _warn_fallback(x.device)
-        y = _reduce_reference.kahan_reduce(x.detach(), dim, keepdim, dtype, mean)
+        y = reduce_reference.kahan_reduce(x.detach(), dim, keepdim, dtype, mean)
         if x.requires_grad and torch.is_grad_enabled():
             return _FallbackReduce.apply(x, y, dim, keepdim, mean)
         return y

@@ -11,9 +11,10 @@ import warnings
 
 import torch
 
-from . import _reduce_reference, _reference
+from ._reference import adam as adam_reference
+from ._reference import cast as cast_reference
+from ._reference import reduce as reduce_reference
 from ._schemas import SCHEMAS
-from .optim import _reference as _adam_reference
 
 # The devices the compiled extension has kernels for; elsewhere the Python
 # wrappers in _ops.py call the references directly, as with the extension.
@@ -45,23 +46,23 @@ def _warn_once():
 
 def _cast_with_stats(x, dtype):
     _warn_once()
-    return _reference.cast_with_stats(x, dtype)
+    return cast_reference.cast_with_stats(x, dtype)
 
 
 def _cast_with_stats_out(x, dtype, *, out):
     _warn_once()
-    return _reference.cast_with_stats(x, dtype, out)[1]
+    return cast_reference.cast_with_stats(x, dtype, out)[1]
 
 
 def _adam_step_(*lists, **kwargs):
     _warn_once()
-    _adam_reference.adam_step_(*lists, **kwargs)
+    adam_reference.adam_step_(*lists, **kwargs)
 
 
 def _kahan(mean):
     def kernel(x, dim=None, keepdim=False, *, dtype=None):
         _warn_once()
-        return _reduce_reference.kahan_reduce(x, dim, keepdim, dtype, mean)
+        return reduce_reference.kahan_reduce(x, dim, keepdim, dtype, mean)
     return kernel
 
 

@@ -1,7 +1,7 @@
 // State of one chunk of the CPU cast_with_stats kernel while it is being
 // reduced, and the reductions that finish it. Shared by the portable loop
 // (cast.cpp) and the AVX-512 one (cast_avx512.h), which must agree bit for
-// bit with each other and with torchcast/_reference.py.
+// bit with each other and with torchcast/_reference/cast.py.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import _ops
-from . import _reference
+from .._reference import adam as adam_reference
 
 __all__ = ["Adam", "AdamW"]
 
@@ -555,7 +555,7 @@ class Adam(Optimizer):
         else:
             if group["fused"] is None:
                 _ops._warn_fallback(device)
-            _reference.adam_step_(*lists, lr=lr, **kwargs)
+            adam_reference.adam_step_(*lists, lr=lr, **kwargs)
 
     # -- state ----------------------------------------------------------------
 
@@ -708,7 +708,7 @@ class Adam(Optimizer):
             local = _local(p)
             w = _local(w.detach()).to(local.device)
             if mode == "remainder":
-                hi, lo = _reference.split_bf16_remainder(w.float())
+                hi, lo = adam_reference.split_bf16_remainder(w.float())
                 local.copy_(hi)
                 _local(state["remainder"]).copy_(lo)
                 continue

@@ -13,8 +13,7 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # first path component under the package so that a module turned into a
 # package (_reference) stays covered. The rest of the package (the tracker,
 # optim, reduce, demo, ...) is walked past, to the user's frame that called it.
-_OWN_MODULES = frozenset(("cast.py", "_ops.py", "stats.py", "nn.py", "_reference.py",
-                          "_reference"))
+_OWN_MODULES = frozenset(("cast.py", "_ops.py", "stats.py", "nn.py", "_reference"))
 _USER, _SKIP, _OWN = 0, 1, 2
 _file_kinds = {}
 

@@ -4,15 +4,13 @@ kernels, and an independent restatement of the kernels' arithmetic.
 It reproduces the kernels bit for bit: the same correctly rounded y (round to
 odd in float32, then to nearest even) and the same statistics, including the
 compensated float32 sums, which it reduces in the canonical order described
-in csrc/numerics.h (chunks, lanes, then the block tree)."""
+in csrc/numerics.h (order.py)."""
 import torch
 
-from .stats import STAT_FIELDS
-
-# Mirrors csrc/numerics.h.
-BLOCK_THREADS = 128
-WARP = 32
-CHUNK = 1 << 16
+from ..stats import STAT_FIELDS
+from . import order
+from .compensated import Compensated
+from .rounding import correctly_rounded
 
 _RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
 LOSSY_PAIRS = (
@@ -39,47 +37,6 @@ def classify_cast(src, dst):
     return "lossy" if rs > rd else "exact"
 
 
-def round_to_odd_float32(x):
-    """float64 -> float32 rounded to odd (see csrc/numerics.h)."""
-    f = x.to(torch.float32)
-    back = f.to(torch.float64)
-    bits = f.view(torch.int32)
-    toward_zero = torch.where(back.abs() > x.abs(), bits - 1, bits)
-    inexact = (back != x) & ~torch.isnan(f)
-    return torch.where(inexact, toward_zero | 1, bits).view(torch.float32)
-
-
-def _float32_nans(x):
-    """float64 -> float32 of NaNs as numerics.h's float_from_double_nan: sign
-    kept, quiet bit set, the top 23 payload bits (as x86 converts them)."""
-    b = x.view(torch.int64)
-    bits = ((b >> 32) & -(1 << 31)) | 0x7FC00000 | ((b >> 29) & 0x7FFFFF)
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def _narrow_nans(f, dtype):
-    """float32 -> float16/bfloat16 of NaNs as numerics.h: float16 keeps the
-    sign and the top 10 mantissa bits, quieted; bfloat16 is always 0x7fc0."""
-    u = f.view(torch.int32)
-    if dtype == torch.float16:
-        h = ((u >> 16) & 0x8000) | 0x7E00 | ((u >> 13) & 0x3FF)
-    else:
-        h = torch.full_like(u, 0x7FC0)
-    return (h - ((h & 0x8000) << 1)).to(torch.int16).view(dtype)
-
-
-def correctly_rounded(x, dtype):
-    """x rounded once to dtype, NaNs as the kernels write them (torch's own
-    NaN bits depend on the device and, for bfloat16, on the layout)."""
-    if x.dtype == torch.float64:
-        if dtype == torch.float32:
-            return torch.where(torch.isnan(x), _float32_nans(x), x.to(torch.float32))
-        f = torch.where(torch.isnan(x), _float32_nans(x), round_to_odd_float32(x))
-    else:
-        f = x
-    return torch.where(torch.isnan(f), _narrow_nans(f, dtype), f.to(dtype))
-
-
 _MIN_NORMAL = {
     torch.float32: torch.finfo(torch.float32).tiny,
     torch.float16: torch.finfo(torch.float16).tiny,
@@ -87,70 +44,12 @@ _MIN_NORMAL = {
 }
 
 
-def _neumaier_add(s, c, v):
-    t = s + v
-    bigger = s.abs() >= v.abs()
-    big = torch.where(bigger, s, v)
-    small = torch.where(bigger, v, s)
-    return t, c + ((big - t) + small)
-
-
-def _merge(a, b):
-    """Folds compensated pairs b = (s2, c2) into a = (s, c), elementwise."""
-    s, c = _neumaier_add(a[0], a[1], b[0])
-    return s, c + b[1]
-
-
-def _block_tree(s, c):
-    """Reduces the last dim (BLOCK_THREADS values) in the CUDA block's order."""
-    s = s.unflatten(-1, (BLOCK_THREADS // WARP, WARP))
-    c = c.unflatten(-1, (BLOCK_THREADS // WARP, WARP))
-    off = WARP // 2
-    while off:
-        s_lo, c_lo = _merge((s[..., :off], c[..., :off]), (s[..., off:2 * off], c[..., off:2 * off]))
-        s = torch.cat([s_lo, s[..., off:]], -1)
-        c = torch.cat([c_lo, c[..., off:]], -1)
-        off //= 2
-    s, c = s[..., 0], c[..., 0]  # one value per warp
-    off = s.shape[-1] // 2
-    while off:
-        s_lo, c_lo = _merge((s[..., :off], c[..., :off]), (s[..., off:2 * off], c[..., off:2 * off]))
-        s = torch.cat([s_lo, s[..., off:]], -1)
-        c = torch.cat([c_lo, c[..., off:]], -1)
-        off //= 2
-    return s[..., 0], c[..., 0]
-
-
-def canonical_sum(terms, elem_size):
-    """Compensated float32 sum of a 1-D float32 tensor in the kernels' order."""
-    vec = 16 // elem_size
-    lanes = BLOCK_THREADS * vec
-    n = terms.numel()
-    nchunks = max(1, -(-n // CHUNK))
-    padded = torch.zeros(nchunks * CHUNK, dtype=torch.float32, device=terms.device)
-    padded[:n] = terms
-    v = padded.view(nchunks, CHUNK // lanes, lanes)
-    s = torch.zeros(nchunks, lanes, dtype=torch.float32, device=terms.device)
-    c = torch.zeros_like(s)
-    for step in range(v.shape[1]):
-        s, c = _neumaier_add(s, c, v[:, step])
-    # Per thread: its vec lanes in order, starting from an empty sum.
-    s, c = s.view(nchunks, BLOCK_THREADS, vec), c.view(nchunks, BLOCK_THREADS, vec)
-    ts, tc = torch.zeros_like(s[..., 0]), torch.zeros_like(c[..., 0])
-    for j in range(vec):
-        ts, tc = _merge((ts, tc), (s[..., j], c[..., j]))
-    ps, pc = _block_tree(ts, tc)  # one compensated pair per chunk
-    # Chunk partials: thread t folds partials t, t + BLOCK_THREADS, ...
-    rows = -(-nchunks // BLOCK_THREADS)
-    grid_s = torch.zeros(rows * BLOCK_THREADS, dtype=torch.float32, device=terms.device)
-    grid_c = torch.zeros_like(grid_s)
-    grid_s[:nchunks], grid_c[:nchunks] = ps, pc
-    grid_s, grid_c = grid_s.view(rows, BLOCK_THREADS), grid_c.view(rows, BLOCK_THREADS)
-    ts, tc = torch.zeros(BLOCK_THREADS, device=terms.device), torch.zeros(BLOCK_THREADS, device=terms.device)
-    for r in range(rows):
-        ts, tc = _merge((ts, tc), (grid_s[r], grid_c[r]))
-    s, c = _block_tree(ts, tc)
-    return torch.where(torch.isfinite(s), s.double() + c.double(), s.double())
+def canonical_sum(terms, element_size):
+    """Compensated float32 sum of a 1-D float32 tensor in the cast kernels'
+    order for an input of element_size bytes: a 0-dim float64 tensor."""
+    rows = terms.reshape(1, -1)
+    partials = order.block_partials(rows, order.thread_lanes(element_size), Compensated)
+    return order.total(partials, Compensated)[0]
 
 
 def iteration_order(t, layout):

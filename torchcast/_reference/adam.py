@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .compensated import neumaier_add, settled
+
 
 def compute_dtype(param_dtype):
     return torch.float64 if param_dtype == torch.float64 else torch.float32
@@ -82,15 +84,9 @@ def split_bf16_remainder(master):
 
 def kahan_update(pv, p, c, u):
     """numerics.h kahan_update: p, c <- one rounding of pv + (u + c)."""
-    y = u + c.to(pv.dtype)
-    t = pv + y
-    p_bigger = pv.abs() >= y.abs()
-    big = torch.where(p_bigger, pv, y)
-    small = torch.where(p_bigger, y, pv)
-    e = ((big - t) + small) + 0.0
+    t, e = neumaier_add(pv, 0.0, u + c.to(pv.dtype))
     p.copy_(t)
-    rest = (t - p.to(pv.dtype)) + e
-    c.copy_(torch.where(torch.isfinite(t), rest, torch.zeros_like(rest)))
+    c.copy_(settled(t, (t - p.to(pv.dtype)) + e))
 
 
 def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):

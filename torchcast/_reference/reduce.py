@@ -9,8 +9,10 @@ import math
 
 import torch
 
-from . import _reference
-from ._reference import BLOCK_THREADS, CHUNK, WARP
+from . import order
+from .compensated import Compensated, PlainDouble
+from .order import WARP
+from .rounding import correctly_rounded
 
 # Mirrors csrc/reduce_common.h.
 WARP_MIN_RUN = 2 * WARP
@@ -57,100 +59,6 @@ def out_shape(x, dims, keepdim):
     return [s for d, s in enumerate(x.shape) if d not in dims]
 
 
-# ---------------------------------------------------------------------------
-# Accumulators: lane update, merge of two partials, and the partial's value.
-
-def _settled(s, c):
-    return torch.where(torch.isfinite(s), c, torch.zeros_like(c))
-
-
-class _Compensated:
-    acc = torch.float32
-    add = staticmethod(_reference._neumaier_add)
-
-    @staticmethod
-    def from_lane(s, c):
-        return s, _settled(s, c)
-
-    @staticmethod
-    def merge(a, b):
-        s, c = _reference._merge(a, b)
-        return s, _settled(s, c)
-
-    @staticmethod
-    def value(s, c):
-        return s.double() + c.double()
-
-
-class _PlainDouble:
-    acc = torch.float64
-
-    @staticmethod
-    def add(s, c, v):
-        return s + v, c
-
-    @staticmethod
-    def from_lane(s, c):
-        return s, torch.zeros_like(c)
-
-    @staticmethod
-    def merge(a, b):
-        return a[0] + b[0], a[1]
-
-    @staticmethod
-    def value(s, c):
-        return s
-
-
-def _halving_tree(s, c, merge):
-    """Reduces the last dim (a power of two) by shuffle-down steps."""
-    off = s.shape[-1] // 2
-    while off:
-        s, c = merge((s[..., :off], c[..., :off]), (s[..., off:2 * off], c[..., off:2 * off]))
-        off //= 2
-    return s[..., 0], c[..., 0]
-
-
-def _block_tree(s, c, merge):
-    """block_tree_reduce over the last dim (BLOCK_THREADS values)."""
-    shape = (*s.shape[:-1], BLOCK_THREADS // WARP, WARP)
-    s, c = _halving_tree(s.reshape(shape), c.reshape(shape), merge)
-    return _halving_tree(s, c, merge)
-
-
-def _reduce_partials(s, c, merge):
-    """reduce_partials over the last dim, batched over the others."""
-    n = s.shape[-1]
-    rows = max(1, -(-n // BLOCK_THREADS))
-    grid_s = s.new_zeros(*s.shape[:-1], rows * BLOCK_THREADS)
-    grid_c = torch.zeros_like(grid_s)
-    grid_s[..., :n], grid_c[..., :n] = s, c
-    grid_s = grid_s.unflatten(-1, (rows, BLOCK_THREADS))
-    grid_c = grid_c.unflatten(-1, (rows, BLOCK_THREADS))
-    ts, tc = torch.zeros_like(grid_s[..., 0, :]), torch.zeros_like(grid_c[..., 0, :])
-    for r in range(rows):
-        ts, tc = merge((ts, tc), (grid_s[..., r, :], grid_c[..., r, :]))
-    return _block_tree(ts, tc, merge)
-
-
-def _lane_sums(rows, lanes, pol):
-    """Cuts each row of rows [k, m] into segments of CHUNK elements and sums
-    element e of a segment into lane e % lanes: (s, c) of shape [k, nseg, lanes]."""
-    k, m = rows.shape
-    nseg = -(-m // CHUNK)
-    steps = -(-min(m, CHUNK) // lanes)
-    # A single segment is padded to whole steps only; zeros are exact no-ops.
-    seg_len = CHUNK if nseg > 1 else steps * lanes
-    padded = rows.new_zeros(k, nseg * seg_len)
-    padded[:, :m] = rows
-    v = padded.view(k, nseg, seg_len // lanes, lanes)
-    s = rows.new_zeros(k, nseg, lanes)
-    c = torch.zeros_like(s)
-    for step in range(steps):
-        s, c = pol.add(s, c, v[:, :, step])
-    return pol.from_lane(s, c)
-
-
 def plan(x, dims):
     """(kept dims, reduced dims in sequence order, scheme) per reduce_common.h."""
     kept = [d for d in range(x.dim()) if d not in dims]
@@ -190,22 +98,15 @@ def kahan_reduce(x, dim, keepdim, dtype, mean):
     if k == 0 or m == 0:
         fill = math.nan if mean else 0.0
         return torch.full(shape, fill, dtype=out_dtype, device=x.device)
-    pol = _PlainDouble if x.dtype == torch.float64 else _Compensated
+    pol = PlainDouble if x.dtype == torch.float64 else Compensated
     rows = x.permute(kept + reduced + ones).reshape(k, m).to(pol.acc)
     if scheme == "full":
-        vec = 16 // x.element_size()
-        s, c = _lane_sums(rows, BLOCK_THREADS * vec, pol)
-        s, c = s.unflatten(-1, (BLOCK_THREADS, vec)), c.unflatten(-1, (BLOCK_THREADS, vec))
-        ts, tc = torch.zeros_like(s[..., 0]), torch.zeros_like(c[..., 0])
-        for j in range(vec):
-            ts, tc = pol.merge((ts, tc), (s[..., j], c[..., j]))
-        s, c = _block_tree(ts, tc, pol.merge)
+        partials = order.block_partials(rows, order.thread_lanes(x.element_size()), pol)
     elif scheme == "warp":
-        s, c = _halving_tree(*_lane_sums(rows, WARP, pol), pol.merge)
+        partials = order.warp_partials(rows, pol)
     else:
-        s, c = _lane_sums(rows, 1, pol)
-        s, c = s[..., 0], c[..., 0]
-    value = pol.value(*_reduce_partials(s, c, pol.merge))
+        partials = order.thread_partials(rows, pol)
+    value = order.total(partials, pol)
     if mean:
         value = value / m
     if out_dtype == torch.float64:
@@ -213,5 +114,5 @@ def kahan_reduce(x, dim, keepdim, dtype, mean):
     elif out_dtype == torch.float32:
         result = value.float()
     else:
-        result = _reference.correctly_rounded(value, out_dtype)
+        result = correctly_rounded(value, out_dtype)
     return result.reshape(shape)
