@@ -2,6 +2,9 @@
 fused pass per dtype group, with parameters kept in their own dtype and their
 rounding errors carried to the next step (Kahan compensation, or the low half
 of a float32 master weight for bfloat16)."""
+import dataclasses
+from typing import List
+
 import torch
 from torch.optim import Optimizer
 
@@ -139,6 +142,22 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
     for i, b in enumerate(betas):
         if isinstance(b, torch.Tensor) and b.numel() != 1:
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """The tensors of one adam_step_ call (one device, param dtype, state
+    dtype and compensation mode), in the op's argument order; lists left
+    empty where amsgrad or compensation is off. Slots: step() appends to
+    these once per param, and a slot is the quickest attribute to reach."""
+
+    params: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    grads: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avgs: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    max_exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    compensations: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    state_steps: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class _Loaded:
@@ -485,7 +504,7 @@ class Adam(Optimizer):
                 self._torch_step(group, items, grad_scale, found_inf)
                 continue
             amsgrad = bool(group["amsgrad"])
-            batches = {}  # (device, dtype, state dtype, mode) -> the op's seven lists
+            batches = {}  # (device, dtype, state dtype, mode) -> _Batch
             for p, g in items:
                 plain = not (p.is_complex() or _is_dtensor(p))
                 local = p if plain else _local(p)
@@ -501,18 +520,18 @@ class Adam(Optimizer):
                 key = (local.device, local.dtype, tensors[1].dtype, mode)
                 b = batches.get(key)
                 if b is None:
-                    b = batches[key] = [[] for _ in range(7)]
-                b[0].append(local)
-                b[1].append(tensors[0])
-                b[2].append(tensors[1])
-                b[3].append(tensors[2])
+                    b = batches[key] = _Batch()
+                b.params.append(local)
+                b.grads.append(tensors[0])
+                b.exp_avgs.append(tensors[1])
+                b.exp_avg_sqs.append(tensors[2])
                 if amsgrad:
-                    b[4].append(tensors[3])
+                    b.max_exp_avg_sqs.append(tensors[3])
                 if mode != "none":
-                    b[5].append(tensors[-1])
-                b[6].append(state["step"])
-            for (device, _, _, mode), lists in batches.items():
-                self._launch(group, device, mode, lists, grad_scale, found_inf)
+                    b.compensations.append(tensors[-1])
+                b.state_steps.append(state["step"])
+            for (device, _, _, mode), batch in batches.items():
+                self._launch(group, device, mode, batch, grad_scale, found_inf)
         return loss
 
     def _torch_step(self, group, items, grad_scale, found_inf):
@@ -538,24 +557,17 @@ class Adam(Optimizer):
                    weight_decay=group["weight_decay"], eps=group["eps"],
                    maximize=bool(group["maximize"]))
 
-    def _launch(self, group, device, mode, lists, grad_scale, found_inf):
+    def _launch(self, group, device, mode, batch, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        kwargs = dict(
-            beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]),
-            eps=float(group["eps"]), amsgrad=bool(group["amsgrad"]),
-            maximize=bool(group["maximize"]),
+        _ops.adam_step_(
+            batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
+            batch.max_exp_avg_sqs, batch.compensations, batch.state_steps,
+            fused=group["fused"], lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+            amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device))
-        if _ops.has_kernel("adam_step_", device) and group["fused"] is not False:
-            if isinstance(lr, torch.Tensor):
-                lr = lr.to("cpu") if device.type == "cpu" else lr.to(device)
-            _ops.adam_step_(*lists, lr=lr, **kwargs)
-        else:
-            if group["fused"] is None:
-                _ops._warn_fallback(device)
-            _reference.adam_step_(*lists, lr=lr, **kwargs)
 
     # -- state ----------------------------------------------------------------
 
