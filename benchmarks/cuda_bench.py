@@ -14,8 +14,8 @@ Also torchcast.kahan_sum against torch.sum (full, inner and outer dims), and
 one torchcast.optim.Adam step on 50M parameters against
 torch.optim.Adam(fused=True).
 
-Targets (issue 3): at least 85% of the copy bandwidth and at most 1.1x the
-time of torch's own cast, for every pair. Reported, never asserted.
+Targets: at least 85% of the copy bandwidth and at most 1.1x the time of
+torch's own cast, for every pair. Reported, never asserted.
 """
 import argparse
 import os

@@ -14,7 +14,7 @@ __all__ = [
     "kahan_mean", "kahan_sum", "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
 ]
 
-# --- torchcast.track / torchcast.audit ---
+# track() records the casts a program makes; audit() checks a model's casts with it.
 from .tracker import Record, Report, track  # noqa: E402
 from .audit import AuditReport, Finding, audit  # noqa: E402
 

@@ -11,6 +11,7 @@ _C = _loader.load_extension()
 if _C is None:
     from . import _python_ops  # noqa: F401  (defines the ops, with reference kernels)
 
+from ._reference import adam as adam_reference
 from ._reference import cast as cast_reference
 from .stats import STAT_FIELDS
 
@@ -51,13 +52,15 @@ def has_kernel(op, device):
     return (op, device.type) in _KERNELS
 
 
-def _warn_fallback(device):
+def _warn_fallback(device, stacklevel=3):
+    """Says once per device type that the fallback runs. The default
+    stacklevel points at the caller of the op wrapper that calls this."""
     if device.type not in _warned_fallback:
         _warned_fallback.add(device.type)
         warnings.warn(
             f"torchcast has no compiled kernels for device '{device.type}'; using the "
             "pure-PyTorch implementation (same results, several times slower).",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning, stacklevel=stacklevel)
 
 
 def cast_with_stats(x, dtype, out=None):
@@ -144,11 +147,24 @@ def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_
 
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, *, lr, **kwargs):
-    """The compiled step; a tensor lr takes the tensor_lr overload."""
-    op = _ops.adam_step_.tensor_lr if isinstance(lr, torch.Tensor) else _ops.adam_step_.default
-    op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps,
-       lr=lr, **kwargs)
+               state_steps, *, fused, lr, **kwargs):
+    """The op on one device's non-empty params, or the pure-PyTorch fallback
+    where no kernel exists or ``fused`` is False (the optimizer's option; the
+    fallback warns only under fused=None). A tensor lr takes the tensor_lr
+    overload, on the CPU or the params' device."""
+    device = params[0].device
+    if has_kernel("adam_step_", device) and fused is not False:
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to("cpu") if device.type == "cpu" else lr.to(device)
+        op = _ops.adam_step_.tensor_lr if isinstance(lr, torch.Tensor) else _ops.adam_step_.default
+        op(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps,
+           lr=lr, **kwargs)
+        return
+    if fused is None:
+        # 4: past this function and Adam._launch, at the Adam._step line that launched it.
+        _warn_fallback(device, stacklevel=4)
+    adam_reference.adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                              compensations, state_steps, lr=lr, **kwargs)
 
 # kahan_sum / kahan_mean: compensated float32 reductions. Kernel order in
 # csrc/reduce_common.h; the fallback in _reference/reduce.py reproduces it.

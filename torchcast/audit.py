@@ -17,10 +17,23 @@ _SEVERITIES = ("error", "warning", "info")
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One problem: ``kind`` (e.g. "input_dtype"), ``severity`` ("error":
-    fails or computes something else than meant; "warning": loses precision
-    or time; "info": expected rounding, shown for the record), ``where`` (a
-    module path, parameter name or source line), ``message`` and ``fix``."""
+    """One problem ``torchcast.audit`` found, with its fix. Frozen; prints as
+    ``[severity] kind at where: message`` and the fix on the next line.
+
+    Attributes:
+        kind (str): what was found: "mixed_dtypes", "mixed_devices",
+            "optimizer_state", "optimizer_params", "input_dtype",
+            "input_device", "target_dtype", "graph_cut", "imag_dropped",
+            "lossy_cast", "rounding", or "forward_error", "loss_error",
+            "backward_error" for an exception in that phase.
+        severity (str): "error" (fails, or computes something else than
+            meant), "warning" (loses precision or time) or "info" (expected
+            rounding, shown for the record).
+        where (str): a module path, parameter name, loss function or source
+            line (file:line).
+        message (str): what is wrong, with the dtypes and devices involved.
+        fix (str): a concrete change that removes it.
+    """
 
     kind: str
     severity: str
@@ -29,6 +42,8 @@ class Finding:
     fix: str
 
     def to_dict(self):
+        """Returns:
+            dict: the five fields by name (JSON-serializable)."""
         return dataclasses.asdict(self)
 
     def __str__(self):
@@ -36,8 +51,21 @@ class Finding:
 
 
 class AuditReport:
-    """The findings of ``torchcast.audit`` (worst first) and the casts met on
-    the way (``casts``, a torchcast.Report)."""
+    """What ``torchcast.audit`` returns. Prints as a summary line, the
+    findings, then the casts.
+
+    Args:
+        findings (list of Finding): in any order; kept sorted by severity.
+        casts (torchcast.Report): the casts recorded during the audit.
+        ran_backward (bool): whether the backward pass ran to its end.
+
+    Attributes:
+        findings (list of Finding): errors first, then warnings, then infos.
+        casts (torchcast.Report): every cast met in forward and backward
+            (``track(all_casts=True)``), with its stats and site.
+        ran_backward (bool): as passed; False when there was no loss to
+            differentiate or the forward, loss or backward raised.
+    """
 
     def __init__(self, findings, casts, ran_backward):
         order = {s: i for i, s in enumerate(_SEVERITIES)}
@@ -46,15 +74,22 @@ class AuditReport:
         self.ran_backward = ran_backward
 
     def of_kind(self, kind):
+        """Args:
+            kind (str): a ``Finding.kind``, e.g. "input_dtype".
+
+        Returns:
+            list of Finding: the findings of that kind, worst first.
+        """
         return [f for f in self.findings if f.kind == kind]
 
     @property
     def errors(self):
+        """list of Finding: the findings of severity "error"."""
         return [f for f in self.findings if f.severity == "error"]
 
     @property
     def ok(self):
-        """No errors and no warnings."""
+        """bool: True when there is no error and no warning (infos only)."""
         return all(f.severity == "info" for f in self.findings)
 
     def __str__(self):
@@ -67,11 +102,21 @@ class AuditReport:
         return "\n".join(lines)
 
     def to_dict(self):
+        """Returns:
+            dict: the report as plain data, with ``format`` and ``version``
+            keys, the findings as ``Finding.to_dict`` gives them and the
+            casts as ``Report.to_dict``."""
         return {"format": "torchcast.audit.AuditReport", "version": 1,
                 "ran_backward": self.ran_backward,
                 "findings": [f.to_dict() for f in self.findings], "casts": self.casts.to_dict()}
 
     def to_json(self, **kwargs):
+        """Args:
+            **kwargs: passed to ``json.dumps`` (e.g. ``indent=2``).
+
+        Returns:
+            str: ``to_dict()`` as strict JSON (``allow_nan=False``).
+        """
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
 
@@ -339,9 +384,10 @@ def _error(kind, where, exc, fix):
 
 
 def audit(model, example_inputs, optimizer=None, *, target=None, loss_fn=None):
-    """Runs one forward and backward of ``model`` on ``example_inputs`` (a
-    tensor, a tuple/list of positional inputs, or a dict of keyword inputs)
-    under ``track(all_casts=True)`` and returns an AuditReport of:
+    """Checks one training step of ``model`` for the dtype and device
+    mistakes that break it or quietly degrade it, before training: runs one
+    forward and backward on ``example_inputs`` under
+    ``torchcast.track(all_casts=True)`` and reports, each with a fix:
 
     - parameters and buffers of mixed dtypes or devices;
     - module inputs whose dtype or device differs from the weights they meet
@@ -353,11 +399,37 @@ def audit(model, example_inputs, optimizer=None, *, target=None, loss_fn=None):
     - the casts with losses met in forward and backward (overflow, underflow,
       graph cuts, dropped imaginary parts, and rounding).
 
-    With ``loss_fn`` and ``target`` the loss is ``loss_fn(output, target)``;
-    otherwise the sum of the floating outputs. Errors in forward, loss or
-    backward become findings. Run it under ``torch.autocast`` to audit an
-    autocast step. Nothing of the model (parameters, gradients, buffers), the
-    optimizer or the random number generators changes.
+    Exceptions in forward, loss or backward become findings. Run it under
+    ``torch.autocast`` to audit an autocast step. Nothing of the model
+    (parameters, gradients, buffers), the optimizer or the random number
+    generators changes; the optimizer does not step.
+
+    Args:
+        model (torch.nn.Module): the model to check.
+        example_inputs (Tensor, tuple, list or dict): one batch: a tensor,
+            the positional inputs as a tuple or list, or the keyword inputs
+            as a dict.
+        optimizer (torch.optim.Optimizer, optional): its states and params
+            are checked against the model's.
+        target (Tensor, optional): the targets for ``loss_fn``; pass both or
+            neither.
+        loss_fn (Callable, optional): called as ``loss_fn(output, target)``,
+            a function or a module (such as ``torch.nn.CrossEntropyLoss()``);
+            without it the loss is the sum of the floating outputs that
+            require grad.
+
+    Returns:
+        AuditReport: the findings, worst first, and the casts met.
+
+    Raises:
+        TypeError: ``model`` is not a torch.nn.Module, or only one of
+            ``target`` and ``loss_fn`` is given.
+
+    Example::
+
+        >>> report = torchcast.audit(model, batch, optimizer, target=labels,
+        ...                          loss_fn=torch.nn.functional.cross_entropy)
+        >>> print(report)
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"torchcast.audit: model must be a torch.nn.Module, got "

@@ -4,7 +4,7 @@ import contextlib
 import numbers
 import threading
 import warnings
-from typing import Callable, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
@@ -16,13 +16,26 @@ POLICIES = ("ignore", "record", "warn", "raise")
 
 
 class PrecisionWarning(UserWarning):
-    """A cast lost more than its target's rounding (policy "warn")."""
+    """Warned by ``safe_to`` under policy "warn" when a cast loses more than
+    its target dtype's rounding (see ``safe_to`` for what counts). Filter it
+    with the ``warnings`` module as any other warning."""
 
 
 class PrecisionLossError(RuntimeError):
-    """A cast lost more than its target's rounding (policy "raise")."""
+    """Raised by ``safe_to`` under policy "raise" when a cast loses more than
+    its target dtype's rounding (see ``safe_to`` for what counts).
 
-    def __init__(self, message, stats=None):
+    Args:
+        message (str): what was lost, and how to avoid it.
+        stats (CastStats, optional): the stats of the cast; None when the
+            cast was refused before it ran (a tensor that requires grad cast
+            to an integer or bool dtype).
+
+    Attributes:
+        stats (CastStats or None): as passed.
+    """
+
+    def __init__(self, message: str, stats: Optional[CastStats] = None):
         super().__init__(message)
         self.stats = stats
 
@@ -41,8 +54,19 @@ def check_policy(name: str) -> str:
     return name
 
 
-def set_policy(name):
-    """Sets the process-wide default policy; returns the previous one."""
+def set_policy(name: str) -> str:
+    """Sets the process-wide default policy of ``safe_to``, for every thread.
+    A ``with torchcast.policy(...)`` block still overrides it in its thread.
+
+    Args:
+        name (str): "ignore", "record", "warn" or "raise" (see ``safe_to``).
+
+    Returns:
+        str: the previous default, to restore it later.
+
+    Raises:
+        ValueError: ``name`` is not one of the four policies.
+    """
     global _default_policy
     check_policy(name)
     with _default_lock:
@@ -50,14 +74,34 @@ def set_policy(name):
     return previous
 
 
-def get_policy():
+def get_policy() -> str:
+    """The policy ``safe_to`` applies in this thread when its ``policy``
+    argument is None: the innermost ``with torchcast.policy(...)``, else the
+    process-wide default (``set_policy``; "warn" initially).
+
+    Returns:
+        str: "ignore", "record", "warn" or "raise".
+    """
     stack = getattr(_local, "policies", None)
     return stack[-1] if stack else _default_policy
 
 
 @contextlib.contextmanager
-def policy(name):
-    """Sets the policy for the block, in this thread only."""
+def policy(name: str) -> Iterator[None]:
+    """Context manager that sets the policy of ``safe_to`` for the block, in
+    this thread only (as ``torch.no_grad`` sets grad mode); blocks nest.
+
+    Args:
+        name (str): "ignore", "record", "warn" or "raise" (see ``safe_to``).
+
+    Raises:
+        ValueError: ``name`` is not one of the four policies (on entering).
+
+    Example::
+
+        >>> with torchcast.policy("raise"):
+        ...     y = torchcast.safe_to(x, torch.float16)
+    """
     check_policy(name)
     stack = _local.__dict__.setdefault("policies", [])
     stack.append(name)
@@ -67,8 +111,16 @@ def policy(name):
         stack.pop()
 
 
-def last_stats():
-    """The CastStats of the latest safe_to in this thread (None if none yet)."""
+def last_stats() -> Optional[CastStats]:
+    """The stats of the latest ``safe_to`` call in this thread, whatever its
+    policy. After a call under "ignore" or "record" the first read waits for
+    the device (one host synchronization, as ``Tensor.item()``); later reads
+    are free.
+
+    Returns:
+        CastStats or None: None before the thread's first ``safe_to``. Calls
+        traced by torch.compile leave no stats and do not count.
+    """
     pending = getattr(_local, "last", None)
     return pending.value if pending is not None else None
 
@@ -108,9 +160,22 @@ def _resolve_dtype(x, dtype):
     return dtype
 
 
-def check_tolerance(value, arg, fn):
-    """value (None or a real number >= 0, inf allowed) as a float, else
-    ValueError/TypeError naming fn, the argument and the value."""
+def check_tolerance(value: object, arg: str, fn: str) -> Optional[float]:
+    """Validates an rtol/atol-like argument.
+
+    Args:
+        value: the argument as passed.
+        arg (str): its name, for the message (e.g. "rtol").
+        fn (str): the function that takes it, for the message
+            (e.g. "torchcast.safe_to").
+
+    Returns:
+        float or None: ``value`` as a float (inf allowed), None for None.
+
+    Raises:
+        TypeError: ``value`` is not None or a real number (a bool is not).
+        ValueError: ``value`` is negative or NaN.
+    """
     if value is None:
         return None
     if type(value) is not float:
@@ -224,8 +289,17 @@ def is_violation(s: CastStats, rtol: Optional[float], atol: Optional[float]) -> 
         or (atol is not None and s.max_abs_err > atol))
 
 
-def is_integer_dtype(dtype):
-    """Integer or bool (None: unknown, for merged stats)."""
+def is_integer_dtype(dtype: Optional[torch.dtype]) -> bool:
+    """Whether ``dtype`` is an integer or bool dtype: neither
+    ``dtype.is_floating_point`` nor ``dtype.is_complex``.
+
+    Args:
+        dtype (torch.dtype, optional): None stands for an unknown dtype (the
+            target of stats merged over several dtypes) and gives False.
+
+    Returns:
+        bool
+    """
     return dtype is not None and not (dtype.is_floating_point or dtype.is_complex)
 
 
@@ -288,51 +362,82 @@ def _act(pol, message, stats):
 def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             policy: Optional[str] = None, rtol: Optional[float] = None,
             atol: Optional[float] = None, name: Optional[str] = None) -> torch.Tensor:
-    """``x.to(dtype)`` that measures the loss in the same pass and applies a policy.
+    """``x.to(dtype)`` that measures what the cast loses, in the same pass,
+    and applies a policy to it.
 
     The cast is correctly rounded (one rounding from x's dtype; torch's own
-    float64 -> float16/bfloat16 cast rounds twice, through float32), and the
-    gradient flows back to x in x's dtype.
+    float64 -> float16/bfloat16 cast rounds twice, through float32), and
+    autograd sees it as ``x.to(dtype)``: the gradient flows back to x in x's
+    dtype.
 
-    A floating x cast to an integer or bool dtype returns exactly
-    ``x.to(dtype)`` and is measured with composite ops: NaN (``nan``), +-inf
-    and values whose integer part is outside the dtype's range (``overflow``;
-    torch's result there is undefined) are violations; dropped fractions are
-    ``inexact``, with errors |x - trunc(x)| over the other elements, and only
-    violate rtol/atol. A bool cast tests x != 0: NaN (which becomes True) is
-    its only violation.
+    The floating casts measured are float64 -> float32/float16/bfloat16 and
+    float32 -> float16/bfloat16 (lossy), and widening casts between these
+    dtypes (exact). A floating x cast to an integer or bool dtype returns
+    exactly ``x.to(dtype)`` and is measured with composite ops: NaN
+    (``nan``), +-inf and values whose integer part is outside the dtype's
+    range (``overflow``; torch's result there is undefined) are violations;
+    dropped fractions are ``inexact``, with errors |x - trunc(x)| over the
+    other elements, and only violate rtol/atol. A bool cast tests x != 0:
+    NaN (which becomes True) is its only violation.
+
+    A violation is any overflow, underflow or subnormal result, a NaN cast
+    to an integer or bool, ``max_rel_err > rtol`` or ``max_abs_err > atol``
+    when given, and a floating x that requires grad cast to an integer or
+    bool dtype (where the gradient is lost).
 
     ``torchcast.last_stats()`` describes the latest call in this thread,
     whatever its policy (a same-dtype call returns x itself, with stats of
-    ``numel`` only), except inside torch.compile.
+    ``numel`` only), except inside torch.compile: there the cast and its
+    stats are traced into the graph, but no policy is applied (that would
+    need the stats on the host); use ``torchcast.cast_with_stats`` to get
+    the stats tensor out of a compiled region.
 
     Args:
-        x: a dense strided floating tensor, or a traceable wrapper subclass
-            (``__tensor_flatten__``) whose own dispatch casts its inner
-            tensors (their stats are merged); sparse, quantized and nested
-            tensors, other __torch_dispatch__ subclasses and tensors inside
-            torch.vmap raise a TypeError.
-        dtype: the target dtype; None means the active autocast dtype for x's
-            device.
-        policy: "ignore" (nothing but ``last_stats``), "record" (stats also go
-            to any active ``torchcast.track()``), "warn" (PrecisionWarning) or
-            "raise" (PrecisionLossError); default from
-            ``set_policy``/``policy(...)``, "warn" initially. A violation is
-            any overflow, underflow or subnormal result, a NaN cast to an
-            integer or bool, ``max_rel_err > rtol`` or ``max_abs_err > atol``
-            when given, and a floating tensor that requires grad cast to an
-            integer or bool dtype (where the gradient is lost). "ignore" and
-            "record" never synchronize with the device: the stats stay a
-            tensor until read. "warn" and "raise" must read them: one host
-            synchronization per call.
-        rtol, atol: None or a real number >= 0 (ValueError for negative or
-            NaN, TypeError for anything else).
-        name: None or a str naming x in messages and track reports.
+        x (Tensor): a dense strided floating tensor, or a traceable wrapper
+            subclass (``__tensor_flatten__``, such as DTensor) whose own
+            dispatch casts its inner tensors (their stats are merged).
+        dtype (torch.dtype, optional): the desired dtype. Default: the
+            active autocast dtype for x's device (``torch.autocast``).
+        policy (str, optional): what a violation does: "ignore" (nothing;
+            the stats still go to ``last_stats``), "record" (the stats also
+            go to any active ``torchcast.track()``), "warn"
+            (``PrecisionWarning``) or "raise" (``PrecisionLossError``).
+            "ignore" and "record" never synchronize with the device: the
+            stats stay a tensor until read. "warn" and "raise" read them:
+            one host synchronization per call. Default: the thread's policy
+            (``torchcast.policy``, ``set_policy``; "warn" initially).
+        rtol (float, optional): the largest relative error |x - y| / |x|
+            allowed; None (default) checks none. inf allowed.
+        atol (float, optional): the largest absolute error |x - y| allowed;
+            None (default) checks none. inf allowed.
+        name (str, optional): what x is, for messages and track reports:
+            ``safe_to(name)`` heads the warning or error, and
+            ``torchcast.track()`` reports the cast under this name beside
+            its source line. Default: None (messages say ``safe_to``).
 
-    Inside torch.compile the cast and its stats are traced into the graph, but
-    no policy is applied (that would need the stats on the host); use
-    ``torchcast.cast_with_stats`` to get the stats tensor out of a compiled
-    region.
+    Returns:
+        Tensor: x cast to ``dtype``; x itself when it already has ``dtype``.
+
+    Raises:
+        TypeError: x is not a Tensor, or a sparse, quantized or nested tensor,
+            a ``__torch_dispatch__`` subclass without ``__tensor_flatten__``,
+            or a tensor inside torch.vmap; the cast is not one listed above
+            (for example float16 -> bfloat16, or from an integer dtype);
+            ``dtype`` is not a torch.dtype, or None outside autocast; rtol,
+            atol or name is of the wrong type.
+        ValueError: an unknown policy, or rtol/atol negative or NaN.
+        PrecisionLossError: a violation under policy "raise".
+
+    Warns:
+        PrecisionWarning: a violation under policy "warn".
+
+    Example::
+
+        >>> x = torch.tensor([1.0, 1e-8, 1e6], dtype=torch.float64)
+        >>> y = torchcast.safe_to(x, torch.float16, policy="ignore")
+        >>> s = torchcast.last_stats()
+        >>> s.overflow, s.underflow  # 1e6 > 65504; 1e-8 rounds to 0
+        (1, 1)
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"torchcast.safe_to: x must be a torch.Tensor, got {type(x).__name__}")
@@ -377,15 +482,31 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
 
 
 def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
-                    out: Optional[torch.Tensor] = None):
-    """(y, CastStats-to-be): the fused op; stats is the raw float64 tensor,
-    read it with ``CastStats.from_tensor(stats, x.dtype, dtype)``.
+                    out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused cast: ``x.to(dtype)``, correctly rounded, and the statistics
+    of what it lost, both computed in one pass on x's device, with no host
+    synchronization and no policy. Traceable by torch.compile (fullgraph);
+    under torch.vmap the stats are per example. Without ``out``, autograd
+    sees y as ``x.to(dtype)``.
 
     Args:
-        x: a dense strided float16/bfloat16/float32/float64 tensor (under
-            torch.vmap, stats are per example).
-        dtype: the target floating dtype.
-        out: optional tensor of x's shape and dtype ``dtype`` to write y into.
+        x (Tensor): a dense strided float16, bfloat16, float32 or float64
+            tensor.
+        dtype (torch.dtype): the desired floating dtype: a lossy pair
+            (float64 -> float32/float16/bfloat16, float32 -> float16/bfloat16)
+            or a widening or same-dtype cast between these dtypes (exact).
+        out (Tensor, optional): the output tensor for y, of x's shape and
+            dtype ``dtype``, on x's device.
+
+    Returns:
+        (Tensor, Tensor): ``(y, stats)``: y is the cast (``out`` when given);
+        stats is a float64 tensor of the fields of CastStats, still on the
+        device. Read it with ``CastStats.from_tensor(stats, x.dtype, dtype)``
+        (one host synchronization).
+
+    Raises:
+        TypeError: x is not a Tensor or not a dense strided tensor, or the
+            pair of dtypes is not one listed above.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(

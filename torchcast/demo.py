@@ -2,10 +2,11 @@
 data cast to float32/bfloat16/float16 with the stats of every cast, and a
 policy catching the overflow a careless cast would hide."""
 import math
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 
-from .cast import PrecisionLossError, last_stats, safe_to
+from .cast import PrecisionLossError, cast_with_stats, last_stats, safe_to
 from .stats import CastStats
 
 G = 6.674e-11  # m^3 kg^-1 s^-2
@@ -13,10 +14,20 @@ SOLAR_MASS = 1.989e30  # kg
 PARSEC = 3.0857e16  # m
 
 
-def simulate(n=384, steps=100, seed=0):
+def simulate(n: int = 384, steps: int = 100, seed: int = 0) -> Dict[str, torch.Tensor]:
     """A Plummer-like star cluster integrated with leapfrog in float64.
 
-    Returns the physical quantities one would store or feed to a model."""
+    Args:
+        n: the number of stars.
+        steps: the number of leapfrog steps (about a thousand years each).
+        seed: seeds the ``torch.Generator`` that draws masses, positions
+            and velocities, so a call is reproducible.
+
+    Returns:
+        The physical quantities one would store or feed to a model, by name
+        with unit: float64 tensors of shape ``(n, 3)``, the pair potentials
+        of shape ``(n * (n - 1) // 2,)``.
+    """
     g = torch.Generator().manual_seed(seed)
     mass = SOLAR_MASS * torch.exp(torch.randn(n, generator=g, dtype=torch.float64))
     pos = PARSEC * torch.randn(n, 3, generator=g, dtype=torch.float64)
@@ -47,8 +58,15 @@ def simulate(n=384, steps=100, seed=0):
     }
 
 
-def stats_table(rows):
-    """rows: (name, CastStats) -> an aligned text table."""
+def stats_table(rows: Iterable[Tuple[str, CastStats]]) -> str:
+    """The stats of several casts as an aligned text table, one row a cast.
+
+    Args:
+        rows: ``(name of the data, CastStats of its cast)`` pairs.
+
+    Returns:
+        The table, a header line and a rule first, lines joined by newlines.
+    """
     head = ("data", "cast", "elements", "inexact", "overflow", "underflow", "subnormal",
             "max rel err", "SQNR dB")
     body = [
@@ -62,13 +80,26 @@ def stats_table(rows):
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
 
 
-def run(out=print, n=384, steps=100):
+def run(out: Callable[[str], object] = print, n: int = 384,
+        steps: int = 100) -> List[Tuple[str, CastStats]]:
+    """Runs the demo: simulates, casts every quantity to float32, bfloat16
+    and float16 with ``torchcast.cast_with_stats``, prints the table of what
+    each cast lost, then shows ``safe_to(..., policy="raise")`` catching the
+    overflow that ``Tensor.to`` hides.
+
+    Args:
+        out: receives the text, one block per call (``print`` by default).
+        n, steps: as ``simulate``.
+
+    Returns:
+        The table's rows: ``(name of the data, CastStats of its cast)``.
+    """
     data = simulate(n, steps)
     out(f"torchcast demo: a {n}-star cluster, {steps} leapfrog steps in float64 (SI units)\n")
     rows = []
     for name, x in data.items():
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            y, stats = torch.ops.torchcast.cast_with_stats(x, dtype)
+            _, stats = cast_with_stats(x, dtype)
             rows.append((name, CastStats.from_tensor(stats, x.dtype, dtype)))
     out(stats_table(rows))
 

@@ -3,8 +3,9 @@ exact sum, at float32 traffic.
 
 kahan_sum and kahan_mean take the arguments of torch.sum and torch.mean and
 accumulate in float32 with Neumaier compensation (float64 inputs, and any
-input with dtype=torch.float64, in plain float64), in a fixed order that makes the result bit-identical whatever the
-thread count (csrc/reduce_common.h)."""
+input with dtype=torch.float64, in plain float64), in a fixed order that
+makes the result bit-identical whatever the thread count
+(csrc/reduce_common.h)."""
 import operator
 from typing import List, Optional, Sequence, Union
 
@@ -56,28 +57,42 @@ def _check_args(fn, x, dim, keepdim, dtype) -> Optional[List[int]]:
 
 def kahan_sum(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
               keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Sum of x over dim, like torch.sum.
+    """Sum of x over ``dim``, like ``torch.sum``, within about half an ulp of
+    the exact sum.
 
-    x may be float32, float16 or bfloat16 (accumulated in float32 with
-    Neumaier compensation) or float64 (accumulated in float64).
-    Differentiable: the gradient is grad broadcast back to x's shape, exactly.
+    float16, bfloat16 and float32 x are accumulated in float32 with Neumaier
+    compensation, float64 x in float64, in a fixed order: the result is the
+    same bits whatever the thread count, and on CPU and CUDA. Differentiable:
+    the gradient is the incoming gradient broadcast back to x's shape, exactly.
 
     Args:
-        x: a dense strided floating tensor (TypeError for sparse, quantized,
-            nested and mkldnn tensors, and for __torch_dispatch__ subclasses
-            without __tensor_flatten__).
-        dim: an int, a tuple of ints, or None (or ()) for all dims; errors as
-            torch.sum raises them.
-        keepdim: keep the reduced dims with size 1.
-        dtype: the result's dtype (x's by default). With torch.float64 the
-            sum is accumulated in float64: the result is
+        x (Tensor): a dense strided floating tensor (or a traceable wrapper
+            subclass, ``__tensor_flatten__``).
+        dim (int or tuple of ints, optional): the dimension or dimensions to
+            reduce. None or () reduces all of them.
+        keepdim (bool): whether the output keeps the reduced dimensions, with
+            size 1. Default: False.
+        dtype (torch.dtype, optional): the desired dtype of the returned
+            tensor. Default: x's dtype. With torch.float64 the sum is
+            accumulated in float64: the result is
             ``kahan_sum(x.to(torch.float64))`` bit for bit, so it overflows
-            only where a float64 sum does, as
+            only where a float64 sum does, as with
             ``torch.sum(x, dtype=torch.float64)``. Any other dtype only sets
-            the result's dtype: x's own values are summed and the result is
-            rounded once to dtype. Unlike torch.sum, x is not cast to dtype
-            first, so ``dtype=torch.bfloat16`` rounds the result, not every
-            element.
+            the result's dtype: unlike torch.sum, x is not cast to dtype
+            first; x's own values are summed and the result is rounded once,
+            so ``dtype=torch.bfloat16`` rounds the result, not every element.
+
+    Returns:
+        Tensor: the sum, of x's shape without the reduced dimensions (kept
+        with size 1 under ``keepdim``).
+
+    Raises:
+        TypeError: x is not a dense strided floating tensor (sparse,
+            quantized, nested, mkldnn, or a ``__torch_dispatch__`` subclass
+            without ``__tensor_flatten__``), or an argument has the wrong
+            type; torch.sum's message.
+        IndexError: a dim out of range, as torch.sum raises it.
+        RuntimeError: a dim repeated, as torch.sum raises it.
     """
     dims = _check_args("kahan_sum", x, dim, keepdim, dtype)
     return _ops.kahan_reduce(x, dims, keepdim, dtype, mean=False)
@@ -85,12 +100,25 @@ def kahan_sum(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
 
 def kahan_mean(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
                keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Mean of x over dim, like torch.mean: kahan_sum's sum divided by the
-    count in float64, then rounded once to the result dtype.
+    """Mean of x over ``dim``, like ``torch.mean``: ``kahan_sum``'s sum
+    divided by the number of elements reduced, in float64, then rounded
+    once to the result's dtype. Differentiable, exactly (the incoming
+    gradient over that number).
 
-    Args: as kahan_sum; with dtype=torch.float64 the result is
-    ``kahan_mean(x.to(torch.float64))`` bit for bit, as
-    ``torch.mean(x, dtype=torch.float64)`` sums in float64.
+    Args:
+        x (Tensor): as ``kahan_sum``.
+        dim (int or tuple of ints, optional): as ``kahan_sum``.
+        keepdim (bool): as ``kahan_sum``. Default: False.
+        dtype (torch.dtype, optional): as ``kahan_sum``; with torch.float64
+            the result is ``kahan_mean(x.to(torch.float64))`` bit for bit, as
+            ``torch.mean(x, dtype=torch.float64)`` sums in float64.
+
+    Returns:
+        Tensor: the mean, shaped as ``kahan_sum``'s result. The mean over
+        no elements is NaN, as torch.mean's.
+
+    Raises:
+        TypeError, IndexError, RuntimeError: as ``kahan_sum``.
     """
     dims = _check_args("kahan_mean", x, dim, keepdim, dtype)
     return _ops.kahan_reduce(x, dims, keepdim, dtype, mean=True)

@@ -2,8 +2,12 @@
 fused pass per dtype group, with parameters kept in their own dtype and their
 rounding errors carried to the next step (Kahan compensation, or the low half
 of a float32 master weight for bfloat16)."""
+import dataclasses
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from .. import _ops
 from .._reference import adam as adam_reference
@@ -141,6 +145,22 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
 
 
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """The tensors of one adam_step_ call (one device, param dtype, state
+    dtype and compensation mode), in the op's argument order; lists left
+    empty where amsgrad or compensation is off. Slots: step() appends to
+    these once per param, and a slot is the quickest attribute to reach."""
+
+    params: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    grads: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avgs: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    max_exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    compensations: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    state_steps: List[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
 class _Loaded:
     """One param's loaded state, carried opaquely through
     Optimizer.load_state_dict, which would cast every floating state tensor
@@ -154,37 +174,100 @@ class _Loaded:
 
 
 class Adam(Optimizer):
-    """Adam with the arguments, param-group semantics and ``step(closure)`` of
-    ``torch.optim.Adam``, and three more:
+    """Implements Adam, as ``torch.optim.Adam``, in one fused pass per device
+    and dtype, with each parameter kept in its own dtype and the rounding
+    error of its update carried into the next step: Kahan compensation, or
+    for bfloat16 the low 16 bits of a float32 master weight.
 
-    compensated: None (default) compensates bfloat16/float16 params and not
-        float32/float64 ones; True compensates float32 too (where updates fall
-        below half an ulp of the weights); False never.
-    compensation: "kahan" keeps a buffer of the param's dtype with what the
-        last rounding lost; "remainder" (bfloat16 only) keeps the low 16 bits
-        of a float32 master weight as int16, so param + remainder is the
-        float32 master bit for bit, at the same 2 bytes per parameter.
-    state_dtype: exp_avg/exp_avg_sq dtype for bfloat16/float16 params, float32
-        (default) or bfloat16; float32/float64 params keep theirs in their dtype.
-    cast_grads: a gradient whose dtype or device differs from its param is
-        an error (raised before anything changes) unless this is True: then it
-        is cast with ``torchcast.safe_to``.
+    A drop-in for torch.optim.Adam: the same arguments and validation errors,
+    param groups, ``step(closure)``, hooks, lr schedulers, ``GradScaler`` and
+    state-dict keys (plus the compensation state); docs/adam.md lists what is
+    tested against torch.
 
-    ``fused=False`` runs the pure-PyTorch reference step (same results) even
-    where a compiled kernel exists; ``foreach`` is accepted for drop-in
-    compatibility and changes nothing (there is one implementation per
-    device). ``differentiable=True`` runs torch's own single-tensor Adam step
-    (autograd sees through it), without the torchcast options; ``capturable``
-    is not supported.
+    Args:
+        params (iterable): iterable of parameters or named_parameters to
+            optimize or iterable of dicts defining parameter groups, as in
+            torch.optim.
+        lr (float, Tensor, optional): learning rate (default: 1e-3). A
+            tensor must be 1-element; it is not supported with
+            ``foreach=True``.
+        betas (tuple[float | Tensor, float | Tensor], optional): coefficients
+            used for computing running averages of gradient and its square,
+            each in [0, 1); both floats or both 1-element tensors
+            (default: (0.9, 0.999)).
+        eps (float, optional): term added to the denominator to improve
+            numerical stability (default: 1e-8).
+        weight_decay (float, optional): weight decay coefficient: an L2
+            penalty added to the gradient, or with ``decoupled_weight_decay``
+            a decay of the parameter inside the compensated update
+            (default: 0).
+        amsgrad (bool, optional): whether to use the AMSGrad variant of this
+            algorithm from the paper "On the Convergence of Adam and Beyond"
+            (default: False).
+        maximize (bool, optional): maximize the objective with respect to
+            the params, instead of minimizing (default: False).
+        compensated (bool, optional): whether updates are compensated. None
+            compensates bfloat16 and float16 params, not float32 or float64;
+            True also float32 (where updates fall below half an ulp of the
+            weights), and rejects float64 params, which need none; False
+            never (default: None).
+        compensation (str, optional): "kahan" keeps a buffer of the param's
+            dtype with what the last rounding lost; "remainder" (bfloat16
+            params only) keeps the low 16 bits of a float32 master weight as
+            int16, so that param + remainder is the float32 master bit for
+            bit, at the same 2 bytes per parameter (default: "kahan").
+        state_dtype (torch.dtype, optional): the dtype of ``exp_avg`` and
+            ``exp_avg_sq`` (and ``max_exp_avg_sq``) of bfloat16 and float16
+            params: torch.float32 or torch.bfloat16; None means float32.
+            float32 and float64 params keep theirs in their own dtype
+            (default: None).
+        cast_grads (bool, optional): whether a gradient whose dtype or device
+            differs from its param's is cast with ``torchcast.safe_to``;
+            False raises before anything changes (default: False).
+        decoupled_weight_decay (bool, optional): if True, this optimizer is
+            equivalent to AdamW and the algorithm will not accumulate weight
+            decay in the momentum nor variance (default: False).
+        foreach (bool, optional): accepted for compatibility with
+            torch.optim.Adam and changes nothing (there is one implementation
+            per device); as in torch, True with a tensor lr or tensor betas
+            raises (default: None).
+        fused (bool, optional): None runs the compiled kernel where one
+            exists and elsewhere the pure-PyTorch step (same results, slower)
+            with a one-time RuntimeWarning; True requires the kernel (a param
+            without one raises at ``step``); False always runs the
+            pure-PyTorch step, silently (default: None).
+        capturable (bool, optional): must be False: CUDA graph capture is not
+            supported (default: False).
+        differentiable (bool, optional): whether autograd should occur
+            through the optimizer step in training. If True, the step is
+            torch's own single-tensor Adam on the same tensors, with states in
+            the param's dtype and none of the torchcast options
+            (``compensated``, ``compensation``, ``state_dtype`` left at their
+            defaults) (default: False).
+
+    Raises:
+        ValueError: a hyperparameter out of range (torch's messages), a
+            tensor lr or betas with ``foreach=True``, torchcast options that
+            contradict ``differentiable``, or a param group's options that do
+            not fit one of its params (for example ``compensation="remainder"``
+            on a float16 param).
+        RuntimeError: ``capturable=True``, or ``fused`` with ``foreach`` or
+            ``differentiable``.
+        TypeError: a param that is not floating point.
     """
 
     # GradScaler passes grad_scale/found_inf and lets the step skip itself.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
-                 amsgrad=False, *, maximize=False, compensated=None, compensation="kahan",
-                 state_dtype=None, cast_grads=False, decoupled_weight_decay=False, foreach=None,
-                 fused=None, capturable=False, differentiable=False):
+    def __init__(self, params: ParamsT, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (
+                     0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
+                 maximize: bool = False, compensated: Optional[bool] = None,
+                 compensation: str = "kahan", state_dtype: Optional[torch.dtype] = None,
+                 cast_grads: bool = False, decoupled_weight_decay: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         name = type(self).__name__
         _check_foreach_tensors(lr, betas, foreach)
@@ -206,7 +289,18 @@ class Adam(Optimizer):
                         differentiable=bool(differentiable))
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Adds a param group, as ``torch.optim.Optimizer.add_param_group``,
+        and checks its params against its options.
+
+        Args:
+            param_group (dict): the params and the options of this group that
+                differ from the optimizer's defaults.
+
+        Raises:
+            TypeError, ValueError: a param does not fit the group's options
+                (see the class's Raises); the group is then not added.
+        """
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         try:
@@ -459,14 +553,28 @@ class Adam(Optimizer):
             f"{t.stride()}, e.g. an expanded tensor) and cannot be updated in place; make it "
             "a tensor of its own with .clone(); nothing was updated")
 
-    def step(self, closure=None):
-        """One optimization step.
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Performs a single optimization step, on every param with a grad.
+
+        Everything is checked before anything is written (the group's
+        hyperparameters, every grad, param and existing state): if the step
+        raises, no param, state or step count has changed. Under
+        ``torch.amp.GradScaler`` a step with inf or NaN grads changes nothing.
 
         Args:
-            closure: re-evaluates the model and returns the loss (optional).
+            closure (Callable, optional): a closure that reevaluates the model
+                and returns the loss.
 
-        Everything is checked before anything is written: if the step raises,
-        no param, state or step count has changed.
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: a grad of another dtype or device than its param
+                (without ``cast_grads``), a sparse grad, a param or state with
+                overlapping memory, or ``fused=True`` where no kernel exists.
+            TypeError, ValueError: a hyperparameter changed since
+                construction to an invalid value, or a state that does not
+                fit its param (e.g. replaced by hand).
         """
         # As torch's optimizers: gradients flow through the step only when
         # the optimizer was built with differentiable=True.
@@ -485,7 +593,7 @@ class Adam(Optimizer):
                 self._torch_step(group, items, grad_scale, found_inf)
                 continue
             amsgrad = bool(group["amsgrad"])
-            batches = {}  # (device, dtype, state dtype, mode) -> the op's seven lists
+            batches = {}  # (device, dtype, state dtype, mode) -> _Batch
             for p, g in items:
                 plain = not (p.is_complex() or _is_dtensor(p))
                 local = p if plain else _local(p)
@@ -501,18 +609,18 @@ class Adam(Optimizer):
                 key = (local.device, local.dtype, tensors[1].dtype, mode)
                 b = batches.get(key)
                 if b is None:
-                    b = batches[key] = [[] for _ in range(7)]
-                b[0].append(local)
-                b[1].append(tensors[0])
-                b[2].append(tensors[1])
-                b[3].append(tensors[2])
+                    b = batches[key] = _Batch()
+                b.params.append(local)
+                b.grads.append(tensors[0])
+                b.exp_avgs.append(tensors[1])
+                b.exp_avg_sqs.append(tensors[2])
                 if amsgrad:
-                    b[4].append(tensors[3])
+                    b.max_exp_avg_sqs.append(tensors[3])
                 if mode != "none":
-                    b[5].append(tensors[-1])
-                b[6].append(state["step"])
-            for (device, _, _, mode), lists in batches.items():
-                self._launch(group, device, mode, lists, grad_scale, found_inf)
+                    b.compensations.append(tensors[-1])
+                b.state_steps.append(state["step"])
+            for (device, _, _, mode), batch in batches.items():
+                self._launch(group, device, mode, batch, grad_scale, found_inf)
         return loss
 
     def _torch_step(self, group, items, grad_scale, found_inf):
@@ -538,31 +646,34 @@ class Adam(Optimizer):
                    weight_decay=group["weight_decay"], eps=group["eps"],
                    maximize=bool(group["maximize"]))
 
-    def _launch(self, group, device, mode, lists, grad_scale, found_inf):
+    def _launch(self, group, device, mode, batch, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        kwargs = dict(
-            beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]),
-            eps=float(group["eps"]), amsgrad=bool(group["amsgrad"]),
-            maximize=bool(group["maximize"]),
+        _ops.adam_step_(
+            batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
+            batch.max_exp_avg_sqs, batch.compensations, batch.state_steps,
+            fused=group["fused"], lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+            amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device))
-        if _ops.has_kernel("adam_step_", device) and group["fused"] is not False:
-            if isinstance(lr, torch.Tensor):
-                lr = lr.to("cpu") if device.type == "cpu" else lr.to(device)
-            _ops.adam_step_(*lists, lr=lr, **kwargs)
-        else:
-            if group["fused"] is None:
-                _ops._warn_fallback(device)
-            adam_reference.adam_step_(*lists, lr=lr, **kwargs)
 
     # -- state ----------------------------------------------------------------
 
-    def state_dict(self, *, torch_format=False):
-        """The optimizer state. ``torch_format=True`` leaves out what only
-        torchcast uses (compensation, remainders, the torchcast group
-        options), for loading into torch.optim.Adam/AdamW."""
+    def state_dict(self, *, torch_format: bool = False) -> Dict[str, Any]:
+        """Returns the state of the optimizer as a dict, as
+        ``torch.optim.Optimizer.state_dict``: ``state`` per param (``step``,
+        ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` under amsgrad, and
+        ``compensation`` or ``remainder``) and ``param_groups``.
+
+        Args:
+            torch_format (bool, optional): leave out what only torchcast uses
+                (compensation, remainders, the torchcast group options), for
+                loading into torch.optim.Adam/AdamW (default: False).
+
+        Returns:
+            dict: ``{"state": ..., "param_groups": ...}``.
+        """
         sd = super().state_dict()
         if not torch_format:
             return sd
@@ -573,21 +684,26 @@ class Adam(Optimizer):
                              for g in sd["param_groups"]],
         }
 
-    def load_state_dict(self, state_dict):
-        """Optimizer.load_state_dict, but every state keeps its own dtype:
-        moments in this optimizer's state dtype, compensation in the param's,
-        remainders in int16, the step count on the CPU. Loads a
-        torch.optim.Adam/AdamW state too: compensation then starts at zero,
-        and compensation of a mode this optimizer does not use is dropped.
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads the optimizer state, as ``torch.optim.Optimizer.load_state_dict``,
+        but every state keeps its own dtype (torch's casts each floating state
+        to its param's dtype, pytorch issue 43706): moments in this
+        optimizer's state dtype, compensation in the param's, remainders in
+        int16, the step count on the CPU. A torch.optim.Adam/AdamW state loads
+        too: compensation then starts at zero, and compensation of a mode this
+        optimizer does not use is dropped.
 
         Args:
-            state_dict: from ``state_dict()`` of this class, or of
+            state_dict (dict): optimizer state. Should be an object returned
+                from a call to ``state_dict()`` of this class or of
                 torch.optim.Adam/AdamW.
 
-        The whole dict is checked (param groups and their options, every
-        state entry's keys, shapes and dtypes against its param) before
-        anything is installed: a ValueError naming the param group, the
-        index in it and what is wrong leaves the optimizer as it was.
+        Raises:
+            ValueError: the dict does not fit this optimizer (param groups
+                and their options, every state entry's keys, shapes and
+                dtypes against its param, all checked before anything is
+                installed); the message names the param group, the index in
+                it and what is wrong, and the optimizer is left as it was.
         """
         pre = self.register_load_state_dict_pre_hook(_check_and_adopt_states)
         post = self.register_load_state_dict_post_hook(_unwrap_states, prepend=True)
@@ -687,12 +803,22 @@ class Adam(Optimizer):
         return out
 
     @torch.no_grad()
-    def seed_compensation(self, fp32_params):
-        """Starts compensation (or remainders) from higher-precision weights,
-        one per param in param-group order: each param becomes its weight
-        rounded to the param's dtype and the compensation what that rounding
-        lost, so a float32 checkpoint moves to bfloat16 training without
-        losing its low bits. Params without compensation are just set."""
+    def seed_compensation(self, fp32_params: Iterable[torch.Tensor]) -> None:
+        """Starts compensation (or remainders) from higher-precision weights:
+        each param becomes its weight rounded to the param's dtype and its
+        compensation what that rounding lost, so a float32 checkpoint moves
+        to bfloat16 training without losing its low bits. Params without
+        compensation are just set. Runs under ``torch.no_grad()``.
+
+        Args:
+            fp32_params (iterable of Tensor): one weight per param, in
+                param-group order, each of its param's shape, in a wider
+                floating dtype (float32 typically), on any device.
+
+        Raises:
+            ValueError: not one weight per param, or a weight of another
+                shape than its param.
+        """
         params = [(gi, i, p, group) for gi, group in enumerate(self.param_groups)
                   for i, p in enumerate(group["params"])]
         weights = list(fp32_params)
@@ -720,13 +846,30 @@ class Adam(Optimizer):
 
 
 class AdamW(Adam):
-    """torchcast.optim.Adam with decoupled weight decay (default 1e-2), the
-    arguments of ``torch.optim.AdamW``; see Adam for the torchcast options."""
+    """Implements AdamW, as ``torch.optim.AdamW``: ``torchcast.optim.Adam``
+    with decoupled weight decay, whatever state dict is loaded.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, compensated=None, compensation="kahan",
-                 state_dtype=None, cast_grads=False, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+    Args:
+        params, lr, betas, eps, amsgrad, maximize, compensated, compensation,
+        state_dtype, cast_grads, foreach, fused, capturable, differentiable:
+            as ``torchcast.optim.Adam``.
+        weight_decay (float, optional): weight decay coefficient: each step
+            decays the param by ``lr * weight_decay``, inside the compensated
+            update (default: 1e-2).
+
+    Raises:
+        As ``torchcast.optim.Adam``.
+    """
+
+    def __init__(self, params: ParamsT, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: Tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (
+                     0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, compensated: Optional[bool] = None,
+                 compensation: str = "kahan", state_dtype: Optional[torch.dtype] = None,
+                 cast_grads: bool = False, foreach: Optional[bool] = None,
+                 fused: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          compensated=compensated, compensation=compensation,
                          state_dtype=state_dtype, cast_grads=cast_grads,
