@@ -198,6 +198,7 @@ def test_kernel_matches_reference(device, combo, amsgrad, maximize, decoupled, w
 
 
 # The device fixture is a string, the same for every example.
+@pytest.mark.cuda_cases
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(combo=st.sampled_from(COMBOS), amsgrad=st.booleans(), maximize=st.booleans(),
        decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.01, 0.5]),
@@ -239,6 +240,7 @@ def test_kernel_matches_reference_many_chunks(device, combo):
     assert all(float(s) > 1 for s in ops[6])
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
@@ -257,6 +259,7 @@ def test_kernel_matches_reference_every_option(device, combo, amsgrad, maximize,
         ops = a
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
 @pytest.mark.parametrize("layout", ["strided", "transposed"])
 def test_kernel_matches_reference_layouts(device, combo, layout):
@@ -269,6 +272,7 @@ def test_kernel_matches_reference_layouts(device, combo, layout):
         ops = a
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
 @pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
 def test_kernel_tensor_lr_and_grad_scale_match_reference(device, combo, lr_dtype):
@@ -285,7 +289,7 @@ def test_kernel_tensor_lr_and_grad_scale_match_reference(device, combo, lr_dtype
         ops = a
 
 
-@pytest.mark.parametrize("shape", [(4, 3), (70_000,)])
+@pytest.mark.parametrize("shape", [(4, 3), pytest.param((70_000,), marks=pytest.mark.cuda_cases)])
 def test_kernel_found_inf_changes_nothing(device, shape):
     gen = torch.Generator().manual_seed(0)
     ops = operands_on(make_operands(torch.bfloat16, torch.float32, "kahan", True, shape, gen),

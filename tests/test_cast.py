@@ -134,6 +134,7 @@ SIZES = (0, 1, 7, 255, 256, 257, 511, 512, 513, 4099, 65535, 65536, 65537,
          200003, 3 * 65536 + 1001, 300001, (1 << 20) + 17)
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("n", SIZES)
 def test_every_class_of_value_at_every_size(device, src, dst, n):
@@ -206,7 +207,9 @@ def test_torch_float64_cast_rounds_twice_ours_once(device, dst):
 # --- statistics -------------------------------------------------------------
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (0, 1 << 20), (1,), (7, 13), (70001,)])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2),
+                                   pytest.param((0, 1 << 20), marks=pytest.mark.cuda_cases),
+                                   (1,), (7, 13), (70001,)])
 def test_shapes(device, src, dst, shape):
     x = (torch.randn(shape, dtype=torch.float64) * 1e3).to(src)
     y, s = op_stats(x, dst, device)
@@ -241,6 +244,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts(device, src, dst, layout):
@@ -271,6 +275,7 @@ def make_out(layout, shape, dtype, device):
     return torch.empty(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(shape)
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("out_layout", ["contiguous", "transposed", "offset_1"])
 def test_out_layouts(device, src, dst, out_layout):
@@ -345,8 +350,10 @@ def test_more_than_2_31_elements():
 
 @pytest.mark.parametrize("src,dst", [(torch.float32, torch.float64), (torch.float16, torch.float32),
                                      (torch.bfloat16, torch.float64), (torch.float32, torch.float32),
-                                     (torch.float16, torch.float16), (torch.float64, torch.float64)])
-@pytest.mark.parametrize("shape", [(10, 3), (70001,)])
+                                     (torch.float16, torch.float16),
+                                     pytest.param(torch.float64, torch.float64,
+                                                  marks=pytest.mark.cuda_cases)])
+@pytest.mark.parametrize("shape", [(10, 3), pytest.param((70001,), marks=pytest.mark.cuda_cases)])
 def test_exact_casts_zero_loss_and_copy(device, src, dst, shape):
     x = torch.randn(shape).to(src)
     y, s = op_stats(x, dst, device)
@@ -439,6 +446,7 @@ def permuted_views(draw):
     return x, dst
 
 
+@pytest.mark.cuda_cases
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(permuted_views())
 def test_permuted_views_against_references(device, case):
@@ -455,6 +463,7 @@ def test_safe_to_gradient_flows_in_source_dtype(device):
     assert torch.equal(x.grad, torch.arange(6.0, dtype=torch.float64, device=device))
 
 
+@pytest.mark.cuda_cases
 def test_op_gradient_flows_in_source_dtype(device):
     x = torch.randn(1000, dtype=torch.float64, device=device, requires_grad=True)
     y, _ = op(x, torch.float16)
@@ -588,6 +597,7 @@ def test_autocast_neither_recasts_input_nor_output(device):
     assert s_auto == op_stats(x, torch.bfloat16)[1]
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
 def test_autocast_passes_through(device, autocast_dtype, src, dst):
@@ -638,6 +648,7 @@ def test_torch_compile_fullgraph_no_graph_break(device):
     assert explain.graph_break_count == 0
 
 
+@pytest.mark.cuda_cases
 def test_torch_compile_dynamic_sizes(device):
     # One dynamic-shape graph around the op for sizes within a chunk, past one
     # and over several.

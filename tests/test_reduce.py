@@ -357,6 +357,7 @@ SCHEME_SIZES = [  # (shape, view, dim, scheme), sized past one block, one chunk,
 ]
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("case", SCHEME_SIZES, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}")
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_scheme_sizes_match_reference(device, case, dtype):
@@ -431,6 +432,7 @@ def test_special_values(device, values, expected):
                 assert_bitwise(got.cpu(), want)  # +0, not -0, like torch
 
 
+@pytest.mark.cuda_cases
 @pytest.mark.parametrize("values", [
     [1.0, float("inf"), 2.0], [float("-inf"), float("inf")], [float("nan"), 1.0],
     [3e38, 3e38, -3e38], [1e-45, 1e-45, 2e-45], [-0.0, -0.0],
@@ -563,8 +565,9 @@ def test_errors_match_torch():
     ((torch.randn(3, 7).half().t(), [0], False), {"dtype": torch.float32}),
     ((torch.randn(50, 2, dtype=torch.float64), [0], False), {}),
     ((torch.randn(0, 3), [1], False), {}),  # (an empty mean is NaN, which opcheck rejects)
-    ((torch.randn(4, 70), [1], False), {"dtype": torch.float64}),  # warp lanes
-    ((torch.randn(70, 4).t(), None, True), {}),
+    pytest.param((torch.randn(4, 70), [1], False), {"dtype": torch.float64},  # warp lanes
+                 marks=pytest.mark.cuda_cases),
+    pytest.param((torch.randn(70, 4).t(), None, True), {}, marks=pytest.mark.cuda_cases),
 ])
 def test_opcheck(device, op, args, kwargs):
     x = on_device(args[0], device).requires_grad_()
@@ -634,6 +637,7 @@ def test_torch_compile_fullgraph(device):
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
+@pytest.mark.cuda_cases
 def test_torch_compile_fuses_around_the_op(device):
     def f(t):
         return torchcast.kahan_sum(t * 2, 0) + torchcast.kahan_mean(t)
