@@ -1,6 +1,8 @@
 """torchcast.optim.Adam/AdamW and the adam_step_ kernel, checked against
 torch.optim.Adam/AdamW, a numpy float64 Adam, the pure-PyTorch reference (bit
-for bit) and PyTorch's own optimizer checks (common_optimizers)."""
+for bit) and PyTorch's own optimizer checks (common_optimizers). The kernel's
+checks run on every device: off the CPU, every operand after every step must
+also equal the CPU kernel's, bit for bit."""
 import copy
 import io
 import warnings
@@ -8,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.testing._internal.common_optimizers import (
     OptimizerInfo, optim_db, optim_inputs_func_adam, OptimizerInput,
@@ -17,6 +19,8 @@ from torch.testing._internal.common_optimizers import (
 import torchcast
 from torchcast.optim import Adam, AdamW
 from torchcast._reference import adam as ref
+
+from devices import on_device
 
 OPS = torch.ops.torchcast
 CLASSES = [(Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)]
@@ -31,6 +35,8 @@ COMBOS = [
     *[(torch.float16, s, m) for s in (torch.float32, torch.bfloat16) for m in ("none", "kahan")],
 ]
 COMBO_IDS = [f"{str(p)[6:]}-{str(s)[6:]}-{m}" for p, s, m in COMBOS]
+OPERAND_NAMES = ["param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation",
+                 "step"]
 
 
 def bits(t):
@@ -114,16 +120,50 @@ def clone_operands(ops):
     return [[x.clone() for x in lst] for lst in ops]
 
 
-def run_both(ops, **kw):
+def operands_on(ops, device):
+    """Copies of the operands on device, in their layouts; the step counts stay
+    on the CPU, as torchcast.optim keeps them."""
+    return [[x.clone() if i == 6 else on_device(x, device).clone() for x in lst]
+            for i, lst in enumerate(ops)]
+
+
+def adam_kernel(kw):
+    """The overload of adam_step_ that takes kw's lr."""
+    return OPS.adam_step_.tensor_lr if isinstance(kw["lr"], torch.Tensor) else OPS.adam_step_.default
+
+
+def assert_device_step_matches(ops, stepped, device, kw):
+    """One kernel step on device from ops equals stepped (the CPU kernel's
+    step from ops) bit for bit, each operand on its device, in its layout.
+    lr, grad_scale and found_inf go to the device too: the kernel reads them there."""
+    on_dev = operands_on(ops, device)
+    adam_kernel(kw)(*on_dev, **{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                for k, v in kw.items()})
+    for name, la, lb in zip(OPERAND_NAMES, stepped, on_dev):
+        for x, y in zip(la, lb):
+            assert y.device.type == ("cpu" if name == "step" else torch.device(device).type), name
+            assert y.stride() == x.stride(), name
+            assert_same_bits(x, y.cpu(), name)
+
+
+def run_both(ops, device="cpu", **kw):
+    """The kernel and the reference, each on copies of ops on the CPU; off the
+    CPU, also the kernel on device, checked against the CPU kernel."""
     a, b = clone_operands(ops), clone_operands(ops)
-    OPS.adam_step_(*a, **kw)
+    adam_kernel(kw)(*a, **kw)
     ref.adam_step_(*b, **kw)
+    if device != "cpu":
+        assert_device_step_matches(ops, a, device, kw)
     return a, b
 
 
+def adam_kw(mode, amsgrad=False, maximize=False, decoupled=False, wd=0.0, lr=1e-3, beta1=0.9):
+    return dict(lr=lr, beta1=beta1, beta2=0.999, weight_decay=wd, eps=1e-8, amsgrad=amsgrad,
+                maximize=maximize, decoupled_weight_decay=decoupled, compensation=mode)
+
+
 def assert_operands_match(a, b, tol_f64=False):
-    names = ["param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation", "step"]
-    for name, la, lb in zip(names, a, b):
+    for name, la, lb in zip(OPERAND_NAMES, a, b):
         for x, y in zip(la, lb):
             if tol_f64 and x.dtype == torch.float64:
                 # torch's float64 sqrt is not correctly rounded (see _reference/adam.py)
@@ -132,15 +172,16 @@ def assert_operands_match(a, b, tol_f64=False):
                 assert_same_bits(x, y, name)
 
 
-@settings(max_examples=60, deadline=None)
+# The device fixture is a string, the same for every example.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(combo=st.sampled_from(COMBOS), amsgrad=st.booleans(), maximize=st.booleans(),
        decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.01, 0.5]),
        beta1=st.sampled_from([0.0, 0.5, 0.9]), lr=st.sampled_from([1e-3, 0.1, 1e-7]),
        shape=st.lists(st.integers(1, 9), min_size=0, max_size=3),
        layout=st.sampled_from(["contiguous", "strided", "transposed"]),
        edge=st.booleans(), scaled=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_kernel_matches_reference(combo, amsgrad, maximize, decoupled, wd, beta1, lr, shape,
-                                  layout, edge, scaled, seed):
+def test_kernel_matches_reference(device, combo, amsgrad, maximize, decoupled, wd, beta1, lr,
+                                  shape, layout, edge, scaled, seed):
     pdtype, sdtype, mode = combo
     gen = torch.Generator().manual_seed(seed)
     if layout != "contiguous" and not shape:
@@ -151,13 +192,38 @@ def test_kernel_matches_reference(combo, amsgrad, maximize, decoupled, wd, beta1
     if scaled:
         kw.update(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
     for _ in range(3):  # several steps, each from the previous state
-        a, b = run_both(ops, **kw)
+        a, b = run_both(ops, device, **kw)
+        assert_operands_match(a, b, tol_f64=True)
+        ops = a
+
+
+# The device fixture is a string, the same for every example.
+@pytest.mark.cuda_cases
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(combo=st.sampled_from(COMBOS), amsgrad=st.booleans(), maximize=st.booleans(),
+       decoupled=st.booleans(), wd=st.sampled_from([0.0, 0.01, 0.5]),
+       beta1=st.sampled_from([0.0, 0.5, 0.9]), lr=st.sampled_from([1e-3, 0.1, 1e-7]),
+       shapes=st.lists(st.lists(st.integers(0, 70), min_size=0, max_size=3), min_size=1,
+                       max_size=4),
+       layout=st.sampled_from(["contiguous", "strided", "transposed"]),
+       edge=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_kernel_matches_reference_several_tensors(device, combo, amsgrad, maximize, decoupled,
+                                                  wd, beta1, lr, shapes, layout, edge, seed):
+    """Up to four tensors of up to 70 elements a dim (empty and 0-d ones
+    included) in one launch."""
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(seed)
+    parts = [make_operands(pdtype, sdtype, mode, amsgrad, tuple(s) or (), gen,
+                           layout if s else "contiguous", edge) for s in shapes]
+    ops = [sum((p[i] for p in parts), []) for i in range(7)]
+    for _ in range(2):
+        a, b = run_both(ops, device, **adam_kw(mode, amsgrad, maximize, decoupled, wd, lr, beta1))
         assert_operands_match(a, b, tol_f64=True)
         ops = a
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
-def test_kernel_matches_reference_many_chunks(combo):
+def test_kernel_matches_reference_many_chunks(device, combo):
     """Several tensors, one spanning more than one 2^16-element chunk, and an
     empty one: the parallel pass covers each element once."""
     pdtype, sdtype, mode = combo
@@ -168,20 +234,71 @@ def test_kernel_matches_reference_many_chunks(combo):
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=True,
               maximize=False, decoupled_weight_decay=True, compensation=mode)
     for _ in range(2):
-        a, b = run_both(ops, **kw)
+        a, b = run_both(ops, device, **kw)
         assert_operands_match(a, b, tol_f64=True)
         ops = a
     assert all(float(s) > 1 for s in ops[6])
 
 
-def test_kernel_found_inf_changes_nothing():
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("wd,decoupled", [(0.0, False), (0.1, False), (0.1, True)])
+def test_kernel_matches_reference_every_option(device, combo, amsgrad, maximize, wd, decoupled):
+    """Edge values (+-0, +-inf, NaN, subnormals), and a tensor over several
+    chunks, an empty one and a 0-d one, in one launch."""
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(7)
+    parts = [make_operands(pdtype, sdtype, mode, amsgrad, s, gen, edge=True)
+             for s in [(40_000,), (0,), (), (3, 5)]]
+    ops = [sum((p[i] for p in parts), []) for i in range(7)]
+    for _ in range(3):
+        a, b = run_both(ops, device, **adam_kw(mode, amsgrad, maximize, decoupled, wd))
+        assert_operands_match(a, b, tol_f64=True)
+        ops = a
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("layout", ["strided", "transposed"])
+def test_kernel_matches_reference_layouts(device, combo, layout):
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(11)
+    ops = make_operands(pdtype, sdtype, mode, True, (33, 17), gen, layout)
+    for _ in range(3):
+        a, b = run_both(ops, device, **adam_kw(mode, True, wd=0.01, decoupled=True))
+        assert_operands_match(a, b, tol_f64=True)
+        ops = a
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("combo", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
+def test_kernel_tensor_lr_and_grad_scale_match_reference(device, combo, lr_dtype):
+    """lr and grad_scale as tensors on the device: read there, the constants
+    computed with the host's float64 expressions."""
+    pdtype, sdtype, mode = combo
+    gen = torch.Generator().manual_seed(13)
+    ops = make_operands(pdtype, sdtype, mode, False, (5000,), gen, edge=True)
+    kw = adam_kw(mode, wd=0.05, decoupled=True, lr=torch.tensor(3e-3, dtype=lr_dtype))
+    kw.update(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
+    for _ in range(3):
+        a, b = run_both(ops, device, **kw)
+        assert_operands_match(a, b, tol_f64=True)
+        ops = a
+
+
+@pytest.mark.parametrize("shape", [(4, 3), pytest.param((70_000,), marks=pytest.mark.cuda_cases)])
+def test_kernel_found_inf_changes_nothing(device, shape):
     gen = torch.Generator().manual_seed(0)
-    ops = make_operands(torch.bfloat16, torch.float32, "kahan", True, (4, 3), gen)
+    ops = operands_on(make_operands(torch.bfloat16, torch.float32, "kahan", True, shape, gen),
+                      device)
     before = clone_operands(ops)
     OPS.adam_step_(*ops, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
                    amsgrad=True, maximize=False, decoupled_weight_decay=False,
-                   compensation="kahan", grad_scale=torch.tensor(8.0),
-                   found_inf=torch.tensor(1.0))
+                   compensation="kahan", grad_scale=torch.tensor(8.0, device=device),
+                   found_inf=torch.tensor(1.0, device=device))
     for la, lb in zip(ops, before):
         for x, y in zip(la, lb):
             assert_same_bits(x, y)
@@ -221,18 +338,20 @@ def test_kernel_rejects_bad_arguments_before_writing(bad):
                 assert_same_bits(x, y)
 
 
-def test_opcheck():
+def test_opcheck(device):
     gen = torch.Generator().manual_seed(0)
     for pdtype, sdtype, mode in [(torch.float32, torch.float32, "none"),
                                  (torch.bfloat16, torch.float32, "kahan"),
                                  (torch.bfloat16, torch.bfloat16, "remainder")]:
         ops = [lst * 2 for lst in make_operands(pdtype, sdtype, mode, True, (4, 5), gen)]
-        ops = [[x.clone() for x in lst] for lst in ops]
+        ops = operands_on(ops, device)
         kw = dict(beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=True,
                   maximize=False, decoupled_weight_decay=True, compensation=mode,
-                  grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+                  grad_scale=torch.tensor(2.0, device=device),
+                  found_inf=torch.tensor(0.0, device=device))
         torch.library.opcheck(OPS.adam_step_.default, ops, dict(kw, lr=1e-3))
-        torch.library.opcheck(OPS.adam_step_.tensor_lr, ops, dict(kw, lr=torch.tensor(1e-3)))
+        torch.library.opcheck(OPS.adam_step_.tensor_lr, ops,
+                              dict(kw, lr=torch.tensor(1e-3, device=device)))
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""cast_with_stats and safe_to against independent numpy float64 references."""
+"""cast_with_stats and safe_to against independent numpy float64 references,
+on every device: off the CPU, y and stats must also be bit-identical to the
+CPU op on the same data and layout."""
 import math
 import threading
 import warnings
@@ -6,25 +8,53 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import torchcast
 from torchcast import _ops
 from torchcast._reference import cast as cast_ref
-from torchcast.stats import CastStats
+from torchcast.stats import STAT_FIELDS, CastStats
 
+from devices import on_device
 from numpy_ref import edge_values, round_to_format, stats_reference, to_numpy64
 
+op = torch.ops.torchcast.cast_with_stats
 PAIRS = cast_ref.LOSSY_PAIRS
 PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32,
+        torch.float16: torch.int16, torch.bfloat16: torch.int16}
 EXACT_FIELDS = ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
                 "max_abs_err", "max_rel_err")
 SUM_FIELDS = ("sum_abs_err", "sum_sq_err", "sum_sq")
 
 
-def op_stats(x, dtype):
-    y, stats = torch.ops.torchcast.cast_with_stats(x, dtype)
+def bits(t):
+    return t.contiguous().view(BITS[t.dtype]) if t.dim() else t.reshape(1).view(BITS[t.dtype])
+
+
+def assert_same(cpu, other):
+    """(y, stats) from the CPU op and from the op on another device: same
+    bits, same layout."""
+    y_cpu, s_cpu = cpu
+    y_dev, s_dev = other
+    assert y_dev.device == s_dev.device and y_dev.device.type != "cpu"
+    assert y_dev.dtype == y_cpu.dtype and y_dev.shape == y_cpu.shape
+    assert y_dev.stride() == y_cpu.stride()
+    assert torch.equal(bits(y_dev.cpu()), bits(y_cpu)), "y differs from the CPU op"
+    s_dev = s_dev.cpu()
+    assert torch.equal(s_dev.view(torch.int64), s_cpu.view(torch.int64)), (
+        "stats differ from the CPU op:\n"
+        + "\n".join(f"  {f}: cpu {a!r} {y_dev.device.type} {b!r}" for f, a, b in
+                    zip(STAT_FIELDS, s_cpu.tolist(), s_dev.tolist()) if a != b))
+
+
+def op_stats(x, dtype, device="cpu"):
+    """The op on x's data and layout moved to device, stats as CastStats; off
+    the CPU, checked bit for bit against the CPU op on x."""
+    y, stats = op(on_device(x, device), dtype)
+    if device != "cpu":
+        assert_same(op(x, dtype), (y, stats))
     return y, CastStats.from_tensor(stats, x.dtype, dtype)
 
 
@@ -51,20 +81,71 @@ def wide_random(n, src, seed=0):
     return torch.from_numpy(mag).to(src)
 
 
+def nan_patterns(dtype):
+    """NaNs with payloads and both signs, as raw bits (a float conversion would
+    canonicalize them)."""
+    if dtype == torch.float64:
+        raw = [0x7FF8000000000000, 0x7FF0000000000001, -0x0007FFFFFFFFFEDD,
+               0x7FF4000000000123]
+    else:
+        raw = [0x7FC00000, 0x7F800001, -0x003FFEDD, 0x7FA00123]
+    return torch.tensor(raw, dtype=BITS[dtype]).view(dtype)
+
+
+def sample(n, src, seed=0):
+    """n values of dtype src, on the CPU: the edge values of every target
+    (midpoints, overflow and underflow thresholds, each with its neighbours)
+    and NaN payloads cycled, random bit patterns (every class of value), and
+    normal values spread over the targets' ranges."""
+    g = torch.Generator().manual_seed(seed)
+    ib = BITS[src]
+    info = torch.iinfo(ib)
+    raw = torch.randint(info.min, info.max, (n,), generator=g, dtype=ib).view(src)
+    spread = (torch.randn(n, generator=g, dtype=torch.float64)
+              * torch.exp2(torch.randint(-40, 40, (n,), generator=g).double())).to(src)
+    edge = torch.cat([edge_values(src, dst) for dst in (torch.float32, torch.float16,
+                                                        torch.bfloat16)] + [nan_patterns(src)])
+    cycled = edge.repeat(n // edge.numel() + 1)[:n]
+    which = torch.randint(0, 3, (n,), generator=g)
+    out = torch.where(which == 0, raw, spread)
+    return torch.where(which == 1, cycled, out)
+
+
 # --- rounding -----------------------------------------------------------------
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-def test_edge_values_exact(src, dst):
+def test_edge_values_exact(device, src, dst):
     x = edge_values(src, dst)
-    y, s = op_stats(x, dst)
+    y, s = op_stats(x, dst, device)
     assert_matches_reference(x, dst, y, s)
 
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-def test_random_wide_range_exact(src, dst):
+def test_random_wide_range_exact(device, src, dst):
     x = wide_random(100_003, src)
-    y, s = op_stats(x, dst)
+    y, s = op_stats(x, dst, device)
     assert_matches_reference(x, dst, y, s)
+
+
+# Every element count where the chunk/lane mapping changes behaviour: empty,
+# a partial first step, exactly one step of lanes (512 for float32, 256 for
+# float64 on CUDA), a partial chunk, one chunk (2^16), a chunk plus a tail,
+# several chunks with a ragged last step.
+SIZES = (0, 1, 7, 255, 256, 257, 511, 512, 513, 4099, 65535, 65536, 65537,
+         200003, 3 * 65536 + 1001, 300001, (1 << 20) + 17)
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_every_class_of_value_at_every_size(device, src, dst, n):
+    x = sample(n, src, seed=n)
+    y, s = op_stats(x, dst, device)
+    assert_matches_reference(x, dst, y, s)
+    # Signed zeros keep their sign (NaNs need not: bfloat16 NaNs are all 0x7FC0).
+    got, want = to_numpy64(y), round_to_format(to_numpy64(x), dst)
+    number = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got)[number], np.signbit(want)[number])
 
 
 def test_float64_to_float16_matches_numpy_bits():
@@ -89,25 +170,35 @@ def test_single_rounding_pairs_bit_identical_to_torch(src, dst):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
 
 
+# Values where rounding float64 -> float32 -> dst differs from rounding once.
+# float16: just below the overflow threshold 65520 (correct: 65504, twice: inf),
+# and just above the tie between 1 and 1 + 2^-10 (correct: 1 + 2^-10; through
+# float32 it becomes the tie itself, which rounds to even: 1).
+# bfloat16: just below the midpoint between 1 + 2^-7 and 1 + 2^-6 (correct:
+# 1 + 2^-7), and just above the tie between 1 and 1 + 2^-7 (correct: 1 + 2^-7).
+DOUBLE_ROUNDING = {
+    torch.float16: (65519.99999999999, 1 + 2 ** -11 + 2 ** -40),
+    torch.bfloat16: (1.0 + 2.0 ** -7 + 2.0 ** -8 - 2.0 ** -40, 1 + 2 ** -8 + 2 ** -35),
+}
+
+
 @pytest.mark.parametrize("dst", [torch.float16, torch.bfloat16])
-def test_torch_float64_cast_rounds_twice_ours_once(dst):
+def test_torch_float64_cast_rounds_twice_ours_once(device, dst):
     # The fact README states: torch's float64 -> float16/bfloat16 goes through
     # float32 and rounds twice; torchcast rounds once.
-    # float16: just below the overflow threshold 65520 (correct: 65504, torch: inf);
-    # bfloat16: just below the midpoint between 1 + 2^-7 and 1 + 2^-6 (correct: 1 + 2^-7).
-    v = 65519.99999999999 if dst == torch.float16 else 1.0 + 2.0 ** -7 + 2.0 ** -8 - 2.0 ** -40
-    x = torch.tensor([v], dtype=torch.float64)
-    correct = round_to_format(np.array([v]), dst)[0]
-    twice = float(x.to(dst)[0])
-    ours = float(torchcast.safe_to(x, dst, policy="ignore")[0])
-    assert ours == correct
-    assert twice != correct
+    for v in DOUBLE_ROUNDING[dst]:
+        x = torch.tensor([v], dtype=torch.float64, device=device)
+        correct = round_to_format(np.array([v]), dst)[0]
+        twice = float(x.to(dst)[0])
+        ours = float(torchcast.safe_to(x, dst, policy="ignore")[0])
+        assert ours == correct
+        assert twice != correct
     # and on many values just below rounding midpoints, torch differs often
     g = np.random.default_rng(3)
     mant = 10 if dst == torch.float16 else 7
     base = np.ldexp(1.0 + g.integers(0, 2 ** mant, 20000) / 2 ** mant, g.integers(-10, 10, 20000))
     below_mid = base + np.ldexp(1.0, np.frexp(base)[1] - 1 - mant - 1) * (1 - 2.0 ** -30)
-    xs = torch.from_numpy(below_mid)
+    xs = torch.from_numpy(below_mid).to(device)
     ref = round_to_format(below_mid, dst)
     assert np.array_equal(to_numpy64(torchcast.safe_to(xs, dst, policy="ignore")), ref)
     wrong = (to_numpy64(xs.to(dst)) != ref).mean()
@@ -117,42 +208,95 @@ def test_torch_float64_cast_rounds_twice_ours_once(dst):
 # --- statistics -------------------------------------------------------------
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,), (7, 13), (70001,)])
-def test_shapes(src, dst, shape):
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2),
+                                   pytest.param((0, 1 << 20), marks=pytest.mark.cuda_cases),
+                                   (1,), (7, 13), (70001,)])
+def test_shapes(device, src, dst, shape):
     x = (torch.randn(shape, dtype=torch.float64) * 1e3).to(src)
-    y, s = op_stats(x, dst)
+    y, s = op_stats(x, dst, device)
     assert y.shape == x.shape and y.dtype == dst
     assert_matches_reference(x, dst, y, s)
 
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-def test_non_contiguous_layouts(src, dst):
+def test_non_contiguous_layouts(device, src, dst):
     base = (torch.randn(301, 257, dtype=torch.float64) * 300).to(src)
     for x in (base.t(), base[::3, 1::2], base[:, 5], base.unsqueeze(0).expand(3, 301, 257),
               base[1:].view(-1)[1:]):
-        y, s = op_stats(x, dst)
+        y, s = op_stats(x, dst, device)
         assert y.stride() == torch.empty_like(x, dtype=dst).stride()
         assert_matches_reference(x, dst, y, s)
         _, ref_stats = cast_ref.cast_with_stats(x, dst)
-        assert torch.equal(torch.ops.torchcast.cast_with_stats(x, dst)[1], ref_stats)
+        assert torch.equal(op(on_device(x, device), dst)[1].cpu(), ref_stats)
+
+
+# Views of a base of the given shape, with the strides, offsets and
+# memory formats that take a kernel off its contiguous path.
+LAYOUTS = {
+    "transposed": ((300, 257), lambda t: t.t()),
+    "step_slice": ((64, 1000), lambda t: t[:, ::3]),
+    "offset_1": ((70001,), lambda t: t[1:]),
+    "offset_1_2d": ((130, 513), lambda t: t[1:, 1:]),
+    "expanded": ((1, 5000), lambda t: t.expand(7, 5000)),
+    "channels_last": ((2, 3, 37, 41), lambda t: t.contiguous(memory_format=torch.channels_last)),
+    "3d_strided": ((8, 300, 70), lambda t: t[::2, 5:, ::7]),
+    "permuted": ((5, 6, 700), lambda t: t.permute(2, 0, 1)[1:]),
+    "rows_offset_9": ((4, 65536 + 9), lambda t: t[:, 9:]),
+}
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts(device, src, dst, layout):
+    shape, view = LAYOUTS[layout]
+    x = view(sample(math.prod(shape), src, seed=3).reshape(shape))
+    y, s = op_stats(x, dst, device)
+    assert y.stride() == torch.empty_like(x, dtype=dst).stride()
+    assert_matches_reference(x, dst, y, s)
 
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-def test_out_variant(src, dst):
+def test_out_variant(device, src, dst):
     x = (torch.randn(500, 300, dtype=torch.float64) * 100).to(src)
-    out = torch.empty(300, 500, dtype=dst).t()  # a non-contiguous destination
-    stats = torch.ops.torchcast.cast_with_stats.out(x, dst, out=out)
+    out = torch.empty(300, 500, dtype=dst, device=device).t()  # a non-contiguous destination
+    stats = op.out(on_device(x, device), dst, out=out)
     assert_matches_reference(x, dst, out, CastStats.from_tensor(stats, src, dst))
-    y2, _ = torchcast.cast_with_stats(x, dst, out=torch.empty(500, 300, dtype=dst))
+    y2, _ = torchcast.cast_with_stats(on_device(x, device), dst,
+                                      out=torch.empty(500, 300, dtype=dst, device=device))
     assert np.array_equal(to_numpy64(y2), to_numpy64(out))
 
 
-def test_out_variant_bad_outputs():
-    x = torch.randn(4, 5)
+def make_out(layout, shape, dtype, device):
+    """An output tensor of the given shape: contiguous, a transpose, or at storage offset 1."""
+    if layout == "contiguous":
+        return torch.empty(shape, dtype=dtype, device=device)
+    if layout == "transposed":
+        return torch.empty(shape[::-1], dtype=dtype, device=device).t()
+    return torch.empty(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("out_layout", ["contiguous", "transposed", "offset_1"])
+def test_out_layouts(device, src, dst, out_layout):
+    x = sample(300 * 217, src, seed=11).reshape(300, 217)
+    out = make_out(out_layout, (300, 217), dst, device)
+    stats = op.out(on_device(x, device), dst, out=out)
+    if device != "cpu":
+        out_cpu = make_out(out_layout, (300, 217), dst, "cpu")
+        assert_same((out_cpu, op.out(x, dst, out=out_cpu)), (out, stats))
+    assert_matches_reference(x, dst, out, CastStats.from_tensor(stats, src, dst))
+
+
+def test_out_variant_bad_outputs(device):
+    x = torch.randn(4, 5, device=device)
     with pytest.raises(RuntimeError, match="out has dtype torch.float32 but the cast is to torch.float16"):
-        torch.ops.torchcast.cast_with_stats.out(x, torch.float16, out=torch.empty(4, 5))
+        op.out(x, torch.float16, out=torch.empty(4, 5, device=device))
+    with pytest.raises(RuntimeError, match="out has dtype torch.bfloat16 but the cast is to torch.float16"):
+        op.out(x, torch.float16, out=torch.empty(4, 5, dtype=torch.bfloat16, device=device))
     with pytest.raises(RuntimeError, match=r"out has shape \[5, 4\] but x has shape \[4, 5\]"):
-        torch.ops.torchcast.cast_with_stats.out(x, torch.float16, out=torch.empty(5, 4, dtype=torch.float16))
+        op.out(x, torch.float16, out=torch.empty(5, 4, dtype=torch.float16, device=device))
 
 
 def test_thread_count_determinism():
@@ -207,20 +351,24 @@ def test_more_than_2_31_elements():
 
 @pytest.mark.parametrize("src,dst", [(torch.float32, torch.float64), (torch.float16, torch.float32),
                                      (torch.bfloat16, torch.float64), (torch.float32, torch.float32),
-                                     (torch.float16, torch.float16)])
-def test_exact_casts_zero_loss_and_copy(src, dst):
-    x = torch.randn(10, 3).to(src)
-    y, s = op_stats(x, dst)
+                                     (torch.float16, torch.float16),
+                                     pytest.param(torch.float64, torch.float64,
+                                                  marks=pytest.mark.cuda_cases)])
+@pytest.mark.parametrize("shape", [(10, 3), pytest.param((70001,), marks=pytest.mark.cuda_cases)])
+def test_exact_casts_zero_loss_and_copy(device, src, dst, shape):
+    x = torch.randn(shape).to(src)
+    y, s = op_stats(x, dst, device)
+    x = on_device(x, device)
     assert y.data_ptr() != x.data_ptr()
     assert torch.equal(y, x.to(dst))
-    assert s == CastStats(src, dst, numel=30)
+    assert s == CastStats(src, dst, numel=x.numel())
 
 
 @pytest.mark.parametrize("src,dst", [(torch.int32, torch.float32), (torch.float16, torch.bfloat16),
                                      (torch.bfloat16, torch.float16), (torch.float32, torch.int64),
                                      (torch.complex64, torch.float32), (torch.bool, torch.float16)])
-def test_unsupported_pairs_name_both_dtypes(src, dst):
-    x = torch.zeros(3, dtype=src)
+def test_unsupported_pairs_name_both_dtypes(device, src, dst):
+    x = torch.zeros(3, dtype=src, device=device)
     with pytest.raises(TypeError) as err:
         torch.ops.torchcast.cast_with_stats(x, dst)
     msg = str(err.value)
@@ -228,14 +376,13 @@ def test_unsupported_pairs_name_both_dtypes(src, dst):
 
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
-def test_opcheck(src, dst):
-    x = (torch.randn(33, 7, dtype=torch.float64) * 1e3).to(src)
-    torch.library.opcheck(torch.ops.torchcast.cast_with_stats.default, (x, dst))
-    torch.library.opcheck(torch.ops.torchcast.cast_with_stats.default, (x.t(), dst))
-    torch.library.opcheck(torch.ops.torchcast.cast_with_stats.default,
-                          (x.clone().requires_grad_(), dst))
-    torch.library.opcheck(torch.ops.torchcast.cast_with_stats.out, (x, dst),
-                          {"out": torch.empty(33, 7, dtype=dst)})
+def test_opcheck(device, src, dst):
+    x = (torch.randn(33, 7, dtype=torch.float64) * 1e3).to(src).to(device)
+    torch.library.opcheck(op.default, (x, dst))
+    torch.library.opcheck(op.default, (x.t(), dst))
+    torch.library.opcheck(op.default, (x.clone().requires_grad_(), dst))
+    torch.library.opcheck(op.default, (x.t().requires_grad_(), dst))
+    torch.library.opcheck(op.out, (x, dst), {"out": torch.empty(33, 7, dtype=dst, device=device)})
 
 
 def test_opcheck_same_dtype_returns_copy():
@@ -267,24 +414,63 @@ def strided_inputs(draw):
     return x, dst
 
 
-@settings(max_examples=150, deadline=None)
-@given(strided_inputs())
-def test_hypothesis_against_references(case):
-    x, dst = case
-    y, s = op_stats(x, dst)
+def assert_op_matches_references(x, dst, device):
+    """y and stats against numpy, and the stats bit for bit against the
+    kernel's order restated in PyTorch."""
+    y, s = op_stats(x, dst, device)
     assert_matches_reference(x, dst, y, s)
     _, ref_stats = cast_ref.cast_with_stats(x, dst)
-    assert torch.equal(torch.ops.torchcast.cast_with_stats(x, dst)[1], ref_stats)
+    assert torch.equal(op(on_device(x, device), dst)[1].cpu(), ref_stats)
+
+
+# The device fixture is a string, the same for every example.
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(strided_inputs())
+def test_hypothesis_against_references(device, case):
+    assert_op_matches_references(*case, device)
+
+
+@st.composite
+def permuted_views(draw):
+    """Every class of value, in up to 4 dims: a base sliced with steps and
+    offsets in each dim, then permuted."""
+    src, dst = draw(st.sampled_from(PAIRS), label="pair")
+    ndim = draw(st.integers(1, 4), label="ndim")
+    shape = draw(st.lists(st.integers(1, 24), min_size=ndim, max_size=ndim), label="shape")
+    steps = draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim), label="steps")
+    starts = draw(st.lists(st.integers(0, 2), min_size=ndim, max_size=ndim), label="starts")
+    perm = draw(st.permutations(range(ndim)), label="perm")
+    full = [sh * sp + s for sh, sp, s in zip(shape, steps, starts)]
+    assume(math.prod(full) <= 1 << 20)
+    base = sample(math.prod(full), src, seed=len(full)).reshape(full)
+    x = base[tuple(slice(s, None, sp) for s, sp in zip(starts, steps))].permute(*perm)
+    return x, dst
+
+
+@pytest.mark.cuda_cases
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(permuted_views())
+def test_permuted_views_against_references(device, case):
+    assert_op_matches_references(*case, device)
 
 
 # --- safe_to --------------------------------------------------------------------
 
-def test_safe_to_gradient_flows_in_source_dtype():
-    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+def test_safe_to_gradient_flows_in_source_dtype(device):
+    x = torch.randn(6, dtype=torch.float64, device=device, requires_grad=True)
     y = torchcast.safe_to(x, torch.float32, policy="ignore")
-    (y * torch.arange(6.0)).sum().backward()
-    assert x.grad.dtype == torch.float64
-    assert torch.equal(x.grad, torch.arange(6.0, dtype=torch.float64))
+    (y * torch.arange(6.0, device=device)).sum().backward()
+    assert x.grad.dtype == torch.float64 and x.grad.device == x.device
+    assert torch.equal(x.grad, torch.arange(6.0, dtype=torch.float64, device=device))
+
+
+@pytest.mark.cuda_cases
+def test_op_gradient_flows_in_source_dtype(device):
+    x = torch.randn(1000, dtype=torch.float64, device=device, requires_grad=True)
+    y, _ = op(x, torch.float16)
+    (y.float() * 2).sum().backward()
+    assert x.grad.dtype == torch.float64 and x.grad.device == x.device
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
 
 
 def test_gradcheck_and_double_backward():
@@ -396,10 +582,10 @@ def test_same_dtype_returns_input():
     assert torchcast.safe_to(x, torch.float32) is x
 
 
-def test_autocast_neither_recasts_input_nor_output():
-    x = (torch.randn(64, 64, dtype=torch.float64) * 1e3)
+def test_autocast_neither_recasts_input_nor_output(device):
+    x = (torch.randn(64, 64, dtype=torch.float64) * 1e3).to(device)
     expected_y, expected = op_stats(x, torch.float16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         y = torchcast.safe_to(x, torch.float16, policy="record")
         s = torchcast.last_stats()
         y_auto = torchcast.safe_to(x, policy="record")  # the autocast dtype
@@ -410,6 +596,24 @@ def test_autocast_neither_recasts_input_nor_output():
     assert y_auto.dtype == torch.bfloat16 and s_auto.dtype == torch.bfloat16
     assert z.dtype == torch.bfloat16
     assert s_auto == op_stats(x, torch.bfloat16)[1]
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
+def test_autocast_passes_through(device, autocast_dtype, src, dst):
+    x = sample(40000, src, seed=13)
+    want_y, want_stats = op(x, dst)  # on the CPU, outside autocast
+    with torch.autocast(device, dtype=autocast_dtype):
+        y, stats = op(on_device(x, device), dst)
+        y_auto = torchcast.safe_to(on_device(x, device), policy="record")  # the autocast dtype
+        s_auto = torchcast.last_stats()
+    assert y.dtype == dst
+    assert torch.equal(bits(y.cpu()), bits(want_y))
+    assert torch.equal(stats.cpu().view(torch.int64), want_stats.view(torch.int64))
+    auto_y, auto_stats = op(x, autocast_dtype)
+    assert y_auto.dtype == autocast_dtype and torch.equal(bits(y_auto.cpu()), bits(auto_y))
+    assert s_auto == CastStats.from_tensor(auto_stats, src, autocast_dtype)
 
 
 def test_fallback_is_used_where_no_kernel_exists(monkeypatch):
@@ -427,7 +631,7 @@ def test_fallback_is_used_where_no_kernel_exists(monkeypatch):
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-def test_torch_compile_fullgraph_no_graph_break():
+def test_torch_compile_fullgraph_no_graph_break(device):
     def f(t):
         y = torchcast.safe_to(t, torch.bfloat16, policy="record")
         return y.float() * 2
@@ -435,7 +639,7 @@ def test_torch_compile_fullgraph_no_graph_break():
     def g(t):
         return torch.ops.torchcast.cast_with_stats(t, torch.float16)
 
-    x = torch.randn(1000, dtype=torch.float64) * 1e3
+    x = torch.randn(1000, dtype=torch.float64, device=device) * 1e3
     torch._dynamo.reset()
     assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
     cy, cs = torch.compile(g, fullgraph=True)(x)
@@ -443,6 +647,29 @@ def test_torch_compile_fullgraph_no_graph_break():
     assert torch.equal(cy, ey) and torch.equal(cs, es)
     explain = torch._dynamo.explain(f)(x)
     assert explain.graph_break_count == 0
+
+
+@pytest.mark.cuda_cases
+def test_torch_compile_dynamic_sizes(device):
+    # One dynamic-shape graph around the op for sizes within a chunk, past one
+    # and over several.
+    def f(x, scale):
+        y, stats = op(x * scale, torch.bfloat16)
+        return y.float() + 1, stats
+
+    def g(x):
+        return torchcast.safe_to(x, torch.float16, policy="record").float() * 2
+
+    torch._dynamo.reset()
+    compiled_f = torch.compile(f, fullgraph=True, dynamic=True)
+    compiled_g = torch.compile(g, fullgraph=True)
+    for n in (1000, 70001, 3 * 65536):
+        x = sample(n, torch.float32, seed=n).to(device)
+        eager = f(x, 3.0)
+        got = compiled_f(x, 3.0)
+        assert torch.equal(bits(eager[0]), bits(got[0]))
+        assert torch.equal(eager[1].view(torch.int64), got[1].view(torch.int64))
+        assert torch.equal(bits(g(x)), bits(compiled_g(x)))
 
 
 def test_nn_cast_module():

@@ -1,7 +1,8 @@
 """kahan_sum / kahan_mean: accuracy against math.fsum and numpy float64, the
 kernel's order restated in PyTorch (torchcast/_reference/reduce.py) bit for
 bit, thread-count determinism, torch's error types, opcheck, autograd,
-torch.compile and the fallback.
+torch.compile and the fallback. The checks of the op run on every device:
+the references stay on the CPU, and the op gets the same data and layout.
 
 Run with -s to see the accuracy report (condition numbers and errors)."""
 import math
@@ -18,6 +19,8 @@ from torchcast import _ops
 from torchcast._reference import order
 from torchcast._reference import reduce as R
 
+from devices import on_device
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 U32 = 2.0 ** -24  # float32 unit roundoff
 U64 = 2.0 ** -53
@@ -32,6 +35,20 @@ def bits(t):
 def assert_bitwise(a, b):
     assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
     assert torch.equal(bits(a), bits(b)), (a, b)
+
+
+def assert_matches(got, want):
+    """got, the op's result on any device, equals want (on the CPU) bit for
+    bit. Off the CPU NaNs compare by position: x86 keeps an operand's payload,
+    CUDA makes the canonical NaN."""
+    if got.device.type == "cpu":
+        assert_bitwise(got, want)
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype)
+    got = got.cpu()
+    nan = torch.isnan(want)
+    assert torch.equal(nan, torch.isnan(got)), (want, got)
+    assert torch.equal(bits(want[~nan]), bits(got[~nan])), (want, got)
 
 
 def ulp(v, dtype):
@@ -220,17 +237,19 @@ def numpy_reference(x, dim, keepdim, mean):
     return np.asarray(ref, dtype=np.float64), np.asarray(abs_sum, dtype=np.float64)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The device fixture is a string, the same for every example.
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(reductions())
-def test_random_layouts(case):
+def test_random_layouts(device, case):
     x = make_input(case)
     event(f"scheme {R.plan(x, R.reduce_dims(x, case['dim']))[2]}")
     event(f"numel {'0' if x.numel() == 0 else '<100' if x.numel() < 100 else '>=100'}")
     op = "mean" if case["mean"] else "sum"
-    got = OPS[op](x, case["dim"], case["keepdim"], dtype=case["out_dtype"])
+    got = OPS[op](on_device(x, device), case["dim"], case["keepdim"], dtype=case["out_dtype"])
     out_dtype = case["out_dtype"] or x.dtype
     # The kernel's order, restated in PyTorch: the same bits.
-    assert_bitwise(got, R.kahan_reduce(x, case["dim"], case["keepdim"], case["out_dtype"],
+    assert_matches(got, R.kahan_reduce(x, case["dim"], case["keepdim"], case["out_dtype"],
                                        case["mean"]))
     # torch's shape and dtype.
     like = getattr(torch, op)(x.double(), dim=case["dim"], keepdim=case["keepdim"])
@@ -243,7 +262,7 @@ def test_random_layouts(case):
         acc = 2 * count * U64 * abs_sum
     else:
         acc = 4 * max(count, 1) * U32 ** 2 * abs_sum
-    g, ref = np.atleast_1d(got.double().numpy()), np.atleast_1d(ref)
+    g, ref = np.atleast_1d(got.double().cpu().numpy()), np.atleast_1d(ref)
     tol = np.atleast_1d(ulp(ref, out_dtype) + acc)
     if out_dtype == torch.float64 and x.dtype != torch.float64:
         tol = tol + ulp(ref, torch.float32)  # the pair (s, c) carries ~48 bits
@@ -264,10 +283,11 @@ def test_random_layouts(case):
     ((70000, 3), [0], torch.float32),       # one lane, two segments per output
     ((5, 333, 80), [0, 2], torch.bfloat16), # warp lanes over non-adjacent dims
 ])
-def test_multi_segment_matches_reference(shape, dim, dtype):
+def test_multi_segment_matches_reference(device, shape, dim, dtype):
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 1e3).to(dtype)
-    assert_bitwise(torchcast.kahan_sum(x, dim), R.kahan_reduce(x, dim, False, None, False))
-    assert_bitwise(torchcast.kahan_mean(x, dim, dtype=torch.float64),
+    x_dev = on_device(x, device)
+    assert_matches(torchcast.kahan_sum(x_dev, dim), R.kahan_reduce(x, dim, False, None, False))
+    assert_matches(torchcast.kahan_mean(x_dev, dim, dtype=torch.float64),
                    R.kahan_reduce(x, dim, False, torch.float64, True))
 
 
@@ -286,17 +306,69 @@ SWEEP = [  # (layout of 630 elements, dim, scheme)
 ]
 
 
-@pytest.mark.parametrize("layout,dim,scheme", SWEEP)
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_scheme_sweep_matches_reference(layout, dim, scheme, dtype):
-    base = torch.randn(630, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    x = layout((base * 100).to(dtype))
-    assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
+def assert_every_variant_matches_reference(x, dim, device):
+    """kahan_sum and kahan_mean of x on device, with every output dtype
+    class and keepdim, equal the reference on x."""
+    x_dev = on_device(x, device)
     for mean in (False, True):
         for out_dtype in (None, torch.float16, torch.float64):
             for keepdim in (False, True):
-                got = OPS["mean" if mean else "sum"](x, dim, keepdim, dtype=out_dtype)
-                assert_bitwise(got, R.kahan_reduce(x, dim, keepdim, out_dtype, mean))
+                got = OPS["mean" if mean else "sum"](x_dev, dim, keepdim, dtype=out_dtype)
+                assert_matches(got, R.kahan_reduce(x, dim, keepdim, out_dtype, mean))
+
+
+@pytest.mark.parametrize("layout,dim,scheme", SWEEP)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_scheme_sweep_matches_reference(device, layout, dim, scheme, dtype):
+    base = torch.randn(630, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    x = layout((base * 100).to(dtype))
+    assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
+    assert_every_variant_matches_reference(x, dim, device)
+
+
+def spread_sample(shape, dtype, seed=0):
+    """Normal values scaled by powers of two from 2^-20 to 2^19."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-20, 20, shape, generator=g).double())
+    return x.to(dtype)
+
+
+SCHEME_SIZES = [  # (shape, view, dim, scheme), sized past one block, one chunk, one warp run
+    ((0,), None, None, None),
+    ((1,), None, None, "full"),
+    ((1000,), None, None, "full"),
+    ((65537,), None, None, "full"),
+    ((3 * 65536 + 5,), None, None, "full"),
+    ((3 * 65536 + 5,), lambda t: t[1:], None, "full"),           # misaligned: scalar loads
+    ((700, 300), lambda t: t.t(), None, "full"),                # transposed: strided offsets
+    ((2 * 65536 + 9, 3), lambda t: t[:, 1], None, "full"),      # strided run
+    ((6, 105), None, [1], "warp"),
+    ((3, 70000), None, [1], "warp"),                             # two segments per output
+    ((5, 333, 80), None, [0, 2], "warp"),                        # non-adjacent dims
+    ((9, 70), lambda t: t.t(), [0], "warp"),
+    ((10, 63), None, [1], "one"),                                # a run shorter than 2 warps
+    ((70000, 3), None, [0], "one"),                              # two segments per output
+    ((4096, 257), None, [0], "one"),
+    ((15, 42), lambda t: t[:, ::2], [1], "one"),
+    ((6, 105), lambda t: t[:1].expand(4, 105), [0], "one"),      # stride-0 dim
+    ((5, 7, 18), None, [0, 2], "one"),                           # two unmergeable dims
+    ((5, 7, 18), lambda t: t.permute(2, 0, 1), [0, 2], "warp"),  # permuted dims that merge
+    ((4, 0, 3), None, [1], None),                                # empty reduction: 0 / NaN
+]
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("case", SCHEME_SIZES, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}")
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_scheme_sizes_match_reference(device, case, dtype):
+    shape, view, dim, scheme = case
+    x = spread_sample(shape, dtype, seed=len(shape))
+    if view is not None:
+        x = view(x)
+    if scheme is not None:
+        assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
+    assert_every_variant_matches_reference(x, dim, device)
 
 
 def test_schemes_are_the_documented_ones():
@@ -345,20 +417,34 @@ SPECIAL = [
 
 
 @pytest.mark.parametrize("values,expected", SPECIAL)
-def test_special_values(values, expected):
+def test_special_values(device, values, expected):
     x = torch.tensor(values, dtype=torch.float32)
     for xx in (x, x.repeat(1000), x.repeat(1000, 3).t()):
         for dtype in (None, torch.float64):
             # torch's sum agrees on every case: float32 accumulation overflows,
             # and with dtype=torch.float64 both accumulate in float64.
             want = torch.sum(xx, dtype=dtype)
-            got = torchcast.kahan_sum(xx, dtype=dtype)
+            got = torchcast.kahan_sum(on_device(xx, device), dtype=dtype)
             if math.isnan(expected):
                 assert torch.isnan(got) and torch.isnan(want)
             else:
                 if dtype is None or not math.isinf(expected):
                     assert got.item() == expected
-                assert_bitwise(got, want)  # +0, not -0, like torch
+                assert_bitwise(got.cpu(), want)  # +0, not -0, like torch
+
+
+@pytest.mark.cuda_cases
+@pytest.mark.parametrize("values", [
+    [1.0, float("inf"), 2.0], [float("-inf"), float("inf")], [float("nan"), 1.0],
+    [3e38, 3e38, -3e38], [1e-45, 1e-45, 2e-45], [-0.0, -0.0],
+])
+def test_special_values_in_every_scheme(device, values):
+    x = torch.tensor(values * 3000, dtype=torch.float32)
+    for shape, dim in (((len(values) * 3000,), None), ((3000, len(values)), [1]),
+                       ((3000, len(values)), [0])):
+        xs = x.reshape(shape)
+        assert_matches(torchcast.kahan_sum(on_device(xs, device), dim),
+                       R.kahan_reduce(xs, dim, False, None, False))
 
 
 def test_non_finite_stays_in_its_output():
@@ -480,9 +566,12 @@ def test_errors_match_torch():
     ((torch.randn(3, 7).half().t(), [0], False), {"dtype": torch.float32}),
     ((torch.randn(50, 2, dtype=torch.float64), [0], False), {}),
     ((torch.randn(0, 3), [1], False), {}),  # (an empty mean is NaN, which opcheck rejects)
+    pytest.param((torch.randn(4, 70), [1], False), {"dtype": torch.float64},  # warp lanes
+                 marks=pytest.mark.cuda_cases),
+    pytest.param((torch.randn(70, 4).t(), None, True), {}, marks=pytest.mark.cuda_cases),
 ])
-def test_opcheck(op, args, kwargs):
-    x = args[0].requires_grad_()
+def test_opcheck(device, op, args, kwargs):
+    x = on_device(args[0], device).requires_grad_()
     torch.library.opcheck(op, (x,) + args[1:], kwargs)
 
 
@@ -534,19 +623,30 @@ def test_gradcheck_float32_input():
     assert torch.autograd.gradcheck(f, (x,), eps=1e-2, atol=1e-3, rtol=1e-3)
 
 
-def test_torch_compile_fullgraph():
+def test_torch_compile_fullgraph(device):
     def f(x):
         return (torchcast.kahan_sum(x, (0, 2)), torchcast.kahan_mean(x, -1, keepdim=True),
                 torchcast.kahan_sum(x, dtype=torch.float64))
 
     compiled = torch.compile(f, fullgraph=True)
     for shape in ((4, 5, 40), (3, 7, 33)):
-        x = torch.randn(shape)
+        x = torch.randn(shape, device=device)
         for a, b in zip(compiled(x), f(x)):
             assert_bitwise(a, b)
-    x = torch.randn(4, 5, 40, requires_grad=True)
+    x = torch.randn(4, 5, 40, device=device, requires_grad=True)
     torch.compile(lambda t: torchcast.kahan_sum(t, 1).sum(), fullgraph=True)(x).backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.cuda_cases
+def test_torch_compile_fuses_around_the_op(device):
+    def f(t):
+        return torchcast.kahan_sum(t * 2, 0) + torchcast.kahan_mean(t)
+
+    x = torch.randn(4, 70, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    assert_bitwise(f(x), compiled(x))
 
 
 def test_fallback_same_bits_and_warns_once(monkeypatch):
