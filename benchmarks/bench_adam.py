@@ -7,10 +7,10 @@ parameters (48 tensors of 1024 x 1024) and over one 2^12-element tensor,
 against torch.optim.AdamW(foreach=True) and (fused=True).
 
 Accuracy: a small character-level language model trained on a text the
-script generates, in the precisions of the issue, reporting final loss (in
-float32, on held-out text), distance to the float64 run, and bytes per
-parameter; plus the small-update regression of the issue (weights near 1,
-lr 2e-8).
+script generates, with each params/optimizer pairing of LM_RUNS, reporting
+final loss (in float32, on held-out text), distance to the float64 run, and
+bytes per parameter; plus a regression whose updates fall below half an ulp
+(weights near 1, lr 2e-8).
 
     PYTHONPATH=. python benchmarks/bench_adam.py [--speed] [--accuracy] [--rounds N]
 

@@ -36,7 +36,7 @@ def _cast_with_stats_out_fake(x, dtype, *, out):
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
-# Autograd for torchcast::cast_with_stats is registered in C++ (csrc/ops.cpp):
+# Autograd for torchcast::cast_with_stats is registered in C++ (csrc/cast_autograd.cpp):
 # a Python autograd kernel would cost microseconds on every call.
 
 

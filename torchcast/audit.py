@@ -4,12 +4,13 @@ comes with a concrete fix. The model and the optimizer are left exactly as
 they were."""
 import dataclasses
 import json
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .stats import short_dtype_name
-from .tracker import track
+from .tracker import Report, track
 from .tracker.modules import autocast_on, current_module
 
 _SEVERITIES = ("error", "warning", "info")
@@ -41,7 +42,7 @@ class Finding:
     message: str
     fix: str
 
-    def to_dict(self):
+    def to_dict(self) -> Dict[str, str]:
         """Returns:
             dict: the five fields by name (JSON-serializable)."""
         return dataclasses.asdict(self)
@@ -67,13 +68,13 @@ class AuditReport:
             differentiate or the forward, loss or backward raised.
     """
 
-    def __init__(self, findings, casts, ran_backward):
+    def __init__(self, findings: List[Finding], casts: Report, ran_backward: bool) -> None:
         order = {s: i for i, s in enumerate(_SEVERITIES)}
         self.findings = sorted(findings, key=lambda f: order[f.severity])
         self.casts = casts
         self.ran_backward = ran_backward
 
-    def of_kind(self, kind):
+    def of_kind(self, kind: str) -> List[Finding]:
         """Args:
             kind (str): a ``Finding.kind``, e.g. "input_dtype".
 
@@ -83,12 +84,12 @@ class AuditReport:
         return [f for f in self.findings if f.kind == kind]
 
     @property
-    def errors(self):
+    def errors(self) -> List[Finding]:
         """list of Finding: the findings of severity "error"."""
         return [f for f in self.findings if f.severity == "error"]
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         """bool: True when there is no error and no warning (infos only)."""
         return all(f.severity == "info" for f in self.findings)
 
@@ -101,7 +102,7 @@ class AuditReport:
         lines += ["", "casts on the way (forward and backward):", str(self.casts)]
         return "\n".join(lines)
 
-    def to_dict(self):
+    def to_dict(self) -> Dict[str, Any]:
         """Returns:
             dict: the report as plain data, with ``format`` and ``version``
             keys, the findings as ``Finding.to_dict`` gives them and the
@@ -110,7 +111,7 @@ class AuditReport:
                 "ran_backward": self.ran_backward,
                 "findings": [f.to_dict() for f in self.findings], "casts": self.casts.to_dict()}
 
-    def to_json(self, **kwargs):
+    def to_json(self, **kwargs: Any) -> str:
         """Args:
             **kwargs: passed to ``json.dumps`` (e.g. ``indent=2``).
 
@@ -383,7 +384,10 @@ def _error(kind, where, exc, fix):
     return Finding(kind, "error", where, f"{type(exc).__name__}: {exc}".splitlines()[0], fix)
 
 
-def audit(model, example_inputs, optimizer=None, *, target=None, loss_fn=None):
+def audit(model: torch.nn.Module, example_inputs: Any,
+          optimizer: Optional[torch.optim.Optimizer] = None, *,
+          target: Optional[torch.Tensor] = None,
+          loss_fn: Optional[Callable[..., torch.Tensor]] = None) -> AuditReport:
     """Checks one training step of ``model`` for the dtype and device
     mistakes that break it or quietly degrade it, before training: runs one
     forward and backward on ``example_inputs`` under
