@@ -37,37 +37,43 @@ def min_normal(dtype):
 
 
 @np.errstate(over="ignore", invalid="ignore")
-def stats_reference(x, dtype):
-    """Exact statistics of casting tensor x to dtype, from numpy float64.
+def stats_of_values(xs, ys, src_dtype, tiny):
+    """Exact statistics of "xs became ys" (numpy float64 arrays; src_dtype
+    is x's torch dtype, tiny the smallest normal of y's dtype), per
+    CastStats' definitions.
 
     Errors are computed in float64 (exact for differences of a value and its
-    rounding); max_rel_err is then rounded to x's dtype as the kernel divides
-    in x's dtype."""
-    xs = to_numpy64(x).ravel()
-    y = round_to_format(xs, dtype)
-    x_finite = np.isfinite(xs)
-    y_finite = np.isfinite(y)
+    rounding); max_rel_err is divided in float64 for float64 sources and in
+    float32 otherwise, as the kernel divides in its input's dtype (float16
+    and bfloat16 inputs are widened to float32)."""
+    x_finite, y_finite = np.isfinite(xs), np.isfinite(ys)
     measured = x_finite & y_finite
-    err = np.where(measured, np.abs(xs - y), 0.0)
-    np_src = np.float32 if x.dtype == torch.float32 else np.float64
+    err = np.where(measured, np.abs(xs - ys), 0.0)
+    np_src = np.float64 if src_dtype == torch.float64 else np.float32
     rel = np.zeros_like(err)
     nz = measured & (xs != 0)
-    rel[nz] = (np_src(1) * err[nz].astype(np_src)) / np.abs(xs[nz]).astype(np_src)
-    sq = np.where(measured, xs * xs, 0.0)
+    rel[nz] = err[nz].astype(np_src) / np.abs(xs[nz]).astype(np_src)
     return {
         "numel": xs.size,
         "nan": int(np.isnan(xs).sum()),
-        "inexact": int((x_finite & (y != xs)).sum()),
+        "inexact": int((x_finite & (ys != xs)).sum()),
         "overflow": int((x_finite & ~y_finite).sum()),
-        "underflow": int(((xs != 0) & ~np.isnan(xs) & (y == 0)).sum()),
-        "subnormal": int(((y != 0) & (np.abs(y) < min_normal(dtype))).sum()),
+        "underflow": int(((xs != 0) & ~np.isnan(xs) & (ys == 0)).sum()),
+        "subnormal": int(((ys != 0) & (np.abs(ys) < tiny)).sum()),
         "max_abs_err": float(err.max()) if err.size else 0.0,
         "max_rel_err": float(rel.max()) if rel.size else 0.0,
         "sum_abs_err": math.fsum(err.tolist()),
         "sum_sq_err": math.fsum((err * err).tolist()),
-        "sum_sq": math.fsum(sq.tolist()),
-        "y": y,
+        "sum_sq": math.fsum(np.where(measured, xs * xs, 0.0).tolist()),
     }
+
+
+def stats_reference(x, dtype):
+    """Exact statistics of casting tensor x to dtype, correctly rounded (the
+    rounded values under "y")."""
+    xs = to_numpy64(x).ravel()
+    y = round_to_format(xs, dtype)
+    return {**stats_of_values(xs, y, x.dtype, min_normal(dtype)), "y": y}
 
 
 @np.errstate(over="ignore")

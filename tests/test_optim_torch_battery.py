@@ -680,29 +680,25 @@ class TestOptimRenewed(TestCase):
                 device, dtype, optim_info):
             yield optim_info.optim_cls(params, **optim_input.kwargs), params
 
-    @optims(TC_OPTIM_DB, dtypes=[torch.float32])
-    def test_step_post_hook(self, device, dtype, optim_info):
+    def _check_step_hook(self, device, dtype, optim_info, register_name, start):
+        """A hook that adds 2 runs on each of two steps, then not once removed."""
         for optim, _ in self._each_hooked_optimizer(device, dtype, optim_info):
-            data = [2]
-            handle = optim.register_step_post_hook(lambda o, a, k: data.append(data.pop() + 2))
+            data = [start]
+            handle = getattr(optim, register_name)(lambda o, a, k: data.append(data.pop() + 2))
             optim.step()
             optim.step()
-            self.assertEqual(data, [6])
+            self.assertEqual(data, [start + 4])
             handle.remove()
             optim.step()
-            self.assertEqual(data, [6])
+            self.assertEqual(data, [start + 4])
+
+    @optims(TC_OPTIM_DB, dtypes=[torch.float32])
+    def test_step_post_hook(self, device, dtype, optim_info):
+        self._check_step_hook(device, dtype, optim_info, "register_step_post_hook", 2)
 
     @optims(TC_OPTIM_DB, dtypes=[torch.float32])
     def test_step_pre_hook(self, device, dtype, optim_info):
-        for optim, _ in self._each_hooked_optimizer(device, dtype, optim_info):
-            data = [5]
-            handle = optim.register_step_pre_hook(lambda o, a, k: data.append(data.pop() + 2))
-            optim.step()
-            optim.step()
-            self.assertEqual(data, [9])
-            handle.remove()
-            optim.step()
-            self.assertEqual(data, [9])
+        self._check_step_hook(device, dtype, optim_info, "register_step_pre_hook", 5)
 
     @optims(TC_OPTIM_DB, dtypes=[torch.float32])
     def test_step_all_hooks(self, device, dtype, optim_info):

@@ -6,6 +6,8 @@ import math
 import numpy as np
 import torch
 
+from numpy_ref import stats_of_values
+
 EXACT_FIELDS = ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
                 "max_abs_err", "max_rel_err")
 SUM_FIELDS = ("sum_abs_err", "sum_sq_err", "sum_sq")
@@ -15,33 +17,9 @@ def as64(t):
     return t.detach().cpu().to(torch.float64).numpy().ravel()
 
 
-@np.errstate(over="ignore", invalid="ignore")
 def stats_of_cast(x, y):
-    """Stats of "x became y", per CastStats' definitions. max_rel_err is
-    divided in float64 for float64 sources and in float32 otherwise, as the
-    kernel divides in its input's dtype (track widens float16/bfloat16 to
-    float32 for the op)."""
-    xs, ys = as64(x), as64(y)
-    x_finite, y_finite = np.isfinite(xs), np.isfinite(ys)
-    measured = x_finite & y_finite
-    err = np.where(measured, np.abs(xs - ys), 0.0)
-    np_src = np.float64 if x.dtype == torch.float64 else np.float32
-    rel = np.zeros_like(err)
-    nz = measured & (xs != 0)
-    rel[nz] = err[nz].astype(np_src) / np.abs(xs[nz]).astype(np_src)
-    return {
-        "numel": xs.size,
-        "nan": int(np.isnan(xs).sum()),
-        "inexact": int((x_finite & (ys != xs)).sum()),
-        "overflow": int((x_finite & ~y_finite).sum()),
-        "underflow": int(((xs != 0) & ~np.isnan(xs) & (ys == 0)).sum()),
-        "subnormal": int(((ys != 0) & (np.abs(ys) < torch.finfo(y.dtype).tiny)).sum()),
-        "max_abs_err": float(err.max()) if err.size else 0.0,
-        "max_rel_err": float(rel.max()) if rel.size else 0.0,
-        "sum_abs_err": math.fsum(err.tolist()),
-        "sum_sq_err": math.fsum((err * err).tolist()),
-        "sum_sq": math.fsum(np.where(measured, xs * xs, 0.0).tolist()),
-    }
+    """Stats of "x became y", per CastStats' definitions (numpy_ref)."""
+    return stats_of_values(as64(x), as64(y), x.dtype, torch.finfo(y.dtype).tiny)
 
 
 def assert_stats_match(s, ref, what=""):
