@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "numerics.h"
+#include "program_casts.h"
 
 namespace {
 
@@ -29,14 +30,25 @@ PyObject* stat_fields() {
   return fields;
 }
 
+PyObject* in_program_cast(PyObject*, PyObject*) {
+  return PyBool_FromLong(torchcast::in_program_cast());
+}
+
+PyMethodDef methods[] = {
+    {"in_program_cast", in_program_cast, METH_NOARGS,
+     "Whether this thread is inside a cast the program asked for under autocast "
+     "(csrc/program_casts.cpp)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 }  // namespace
 
 extern "C" {
 // Importing torchcast._C runs the static registrations of every file; the
-// module itself holds constants only. with_cuda: whether the CUDA kernels
-// were built (and so registered).
+// module itself holds constants and in_program_cast. with_cuda: whether the
+// CUDA kernels were built (and so registered).
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   const auto op = c10::Dispatcher::singleton().findSchema({"torchcast::cast_with_stats", ""});

@@ -449,8 +449,12 @@ def _interception_state():
 
 
 def test_nothing_is_intercepted_outside_track():
+    """Outside track nothing intercepts; the one exception is the kernel that
+    marks the program's casts under autocast, registered once at import and
+    never removed (tearing it down crashes threads dispatching through it),
+    which only counts and redispatches."""
     before = _interception_state()
-    assert before[0] == 0 and not before[3] and before[5] == ()
+    assert before[0] == 0 and before[3] and before[5] == ()
     with torchcast.track(all_casts=True, policy="record") as report:
         inside = _interception_state()
         x = wide(8)

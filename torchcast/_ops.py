@@ -18,6 +18,10 @@ from .stats import STAT_FIELDS
 _ops = torch.ops.torchcast
 WITH_EXTENSION = _C is not None
 WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
+# in_program_cast(): whether this thread is inside a cast the program asked
+# for while autocast is on (one that passed aten::_to_copy's autocast keys,
+# which autocast's own casts bypass): csrc/program_casts.cpp.
+in_program_cast = _C.in_program_cast if WITH_EXTENSION else _python_ops.in_program_cast
 
 
 # ---------------------------------------------------------------------------

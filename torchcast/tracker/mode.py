@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stats import PendingStats
 from .measure import MeasuredCast, measure_cast
-from .modules import (AutocastMarks, autocast_on, current_module, in_program_cast,
+from .modules import (AutocastWatch, autocast_on, current_module, in_program_cast,
                       install_module_hooks, module_of_node, refresh_autocast_state,
                       remove_module_hooks)
 from .report import SiteKey
@@ -143,15 +143,16 @@ def pop_mode(recorder: CastRecorder) -> None:
 
 class _Installed:
     """Reference-counted global state: module hooks (any track) and the
-    autocast marker kernels (all_casts); nothing is left behind when the last
-    track exits."""
+    watch on torch.set_autocast_enabled (all_casts); nothing is left behind
+    when the last track exits. (The kernel that marks the program's casts
+    under autocast is registered once, at import: csrc/program_casts.cpp.)"""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.hooks = 0
         self.hook_handles = ()
-        self.marks = 0
-        self.autocast_marks = None
+        self.watches = 0
+        self.autocast_watch = None
 
     def acquire(self, all_casts):
         with self.lock:
@@ -159,18 +160,18 @@ class _Installed:
                 self.hook_handles = install_module_hooks()
             self.hooks += 1
             if all_casts:
-                if self.marks == 0:
-                    self.autocast_marks = AutocastMarks()
-                self.marks += 1
+                if self.watches == 0:
+                    self.autocast_watch = AutocastWatch()
+                self.watches += 1
                 refresh_autocast_state()
 
     def release(self, all_casts):
         with self.lock:
             if all_casts:
-                self.marks -= 1
-                if self.marks == 0:
-                    self.autocast_marks.remove()
-                    self.autocast_marks = None
+                self.watches -= 1
+                if self.watches == 0:
+                    self.autocast_watch.remove()
+                    self.autocast_watch = None
             self.hooks -= 1
             if self.hooks == 0:
                 remove_module_hooks(self.hook_handles)
@@ -182,7 +183,7 @@ _installed = _Installed()
 
 def install(all_casts: bool) -> None:
     """Installs what a track() needs (module hooks; with ``all_casts`` the
-    autocast marks), shared by all active tracks."""
+    autocast watch), shared by all active tracks."""
     _installed.acquire(all_casts)
 
 

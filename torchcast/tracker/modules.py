@@ -15,7 +15,8 @@ always False. So two facts are gathered outside it while tracking:
   exits through it) is followed by a look at the new state;
 - which casts the program asked for: a kernel for aten::_to_copy at the
   autocast keys, which only the program's casts pass through (autocast's own
-  casts bypass its key), counts them.
+  casts bypass its key), counts them (csrc/program_casts.cpp, registered
+  once at import and never removed).
 
 An unmarked cast while autocast is on is autocast's.
 """
@@ -26,7 +27,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-_TO_COPY = torch.ops.aten._to_copy.default
+from .. import _ops
 
 _local = threading.local()
 
@@ -142,20 +143,7 @@ def module_of_node(node: torch.autograd.graph.Node) -> Optional[str]:
 # ---------------------------------------------------------------------------
 # Autocast marking.
 
-_AUTOCAST_KEYS = [getattr(torch._C.DispatchKey, name) for name in
-                  ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS")
-                  if hasattr(torch._C.DispatchKey, name)]
 _AUTOCAST_DEVICES = [d for d in ("cpu", "cuda", "xpu", "mps") if torch.amp.is_autocast_available(d)]
-
-
-def _program_to_copy(keyset, *args, **kwargs):
-    _local.program_casts = getattr(_local, "program_casts", 0) + 1
-    try:
-        for key in _AUTOCAST_KEYS:
-            keyset = keyset.remove(key)
-        return _TO_COPY.redispatch(keyset, *args, **kwargs)
-    finally:
-        _local.program_casts -= 1
 
 
 def _autocast_state():
@@ -180,22 +168,16 @@ def _watching_set_autocast_enabled(original):
     return set_autocast_enabled
 
 
-class AutocastMarks:
-    """The marker kernels for aten::_to_copy at the autocast keys and the
-    watch on torch.set_autocast_enabled, installed together."""
+class AutocastWatch:
+    """Refreshes this thread's autocast state after every
+    torch.set_autocast_enabled, while installed."""
 
     def __init__(self):
-        self.library = torch.library.Library("aten", "IMPL")
-        for key in _AUTOCAST_KEYS:
-            self.library.impl("_to_copy", _program_to_copy, key.name, with_keyset=True)
         self.set_autocast_enabled: Callable = torch.set_autocast_enabled
         torch.set_autocast_enabled = _watching_set_autocast_enabled(self.set_autocast_enabled)
 
     def remove(self) -> None:
-        """Removes the kernels and restores torch.set_autocast_enabled
-        (unless someone replaced it since)."""
-        self.library._destroy()
-        self.library = None
+        """Restores torch.set_autocast_enabled (unless someone replaced it since)."""
         if getattr(torch.set_autocast_enabled, "__wrapped__", None) is self.set_autocast_enabled:
             torch.set_autocast_enabled = self.set_autocast_enabled
 
@@ -214,4 +196,4 @@ def autocast_on(device_type: str) -> bool:
 def in_program_cast() -> bool:
     """Whether the cast being dispatched is one the program asked for (it
     passed the autocast keys), rather than one autocast inserted."""
-    return getattr(_local, "program_casts", 0) != 0
+    return _ops.in_program_cast()
