@@ -110,6 +110,9 @@ at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y) {
 at::Tensor exact_cast_stats(const at::Tensor& x) {
   auto stats = at::zeros({kNumStats}, x.options().dtype(at::kDouble));
   stats.select(0, kNumel).fill_(static_cast<double>(x.numel()));
+  // NaN passes an exact cast unchanged, and is still news (a NaN gradient
+  // widened for the optimizer): counted on the device, without a sync.
+  stats.select(0, kNan).copy_(at::isnan(x).sum());
   return stats;
 }
 

@@ -34,7 +34,8 @@ bool may_self_overlap(const at::Tensor& t);
 // reduction follows on every backend.
 at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y);
 
-// The stats of a cast that cannot lose anything: numel only, no pass over x.
+// The stats of a cast that cannot lose anything: numel and the NaN count; the
+// error sums and sum_sq stay zero (no error, so SQNR is inf regardless).
 at::Tensor exact_cast_stats(const at::Tensor& x);
 
 // The exact counts of a cast (Count: as wide as the caller needs).

@@ -545,7 +545,8 @@ def test_rtol_makes_plain_rounding_a_violation():
             x.float()
     with torchcast.track(all_casts=True, policy="record", rtol=1e-9) as report:
         x.float()
-    assert report.violations and "max rel err > rtol=1e-09" in str(report)
+    assert report.violations and report.violations[0].violations(1e-9) == ["max rel err > rtol=1e-09"]
+    assert str(report).splitlines()[-1].endswith("rtol=1e-09")
 
 
 # --- graph cuts and complex ---------------------------------------------------------------
@@ -629,8 +630,8 @@ def test_table_is_sorted_worst_first():
     assert lines[0].startswith("torchcast.track: 7 cast sites, 7 casts, 3 with violations")
     header = lines[1].split()
     assert header[:4] == ["site", "origin", "calls", "dtypes"]
-    assert header[4:9] == ["elements", "inexact", "overflow", "underflow", "subnormal"]
-    assert "max rel err" in lines[1]
+    assert header[4:10] == ["elements", "inexact", "nan", "overflow", "underflow", "subnormal"]
+    assert "max rel err" in lines[1] and header[-2:] == ["violations", "notes"]
     assert len(lines) == 2 + len(records)
     assert len(report.table(limit=2).splitlines()) == 5
 

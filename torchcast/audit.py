@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .stats import short_dtype_name
 from .tracker import Report, track
 from .tracker.modules import autocast_on, current_module
+from .violations import STRICT
 
 _SEVERITIES = ("error", "warning", "info")
 
@@ -289,7 +290,7 @@ def _cast_findings(report):
     found = []
     for r in report.records:
         s = r.stats
-        violations = r.violations(report.rtol, report.atol)
+        violations = r.violations(report.rtol, report.atol, report.kinds)
         if not violations and not (r.measured and s.inexact):
             continue
         src, dst = short_dtype_name(r.src_dtype), short_dtype_name(r.dtype)
@@ -445,7 +446,8 @@ def audit(model: torch.nn.Module, example_inputs: Any,
         findings += _optimizer_findings(model, optimizer)
     check = _InputCheck()
     ran_backward = False
-    with _Preserved(model), track(all_casts=True, policy="record") as casts:
+    # Every loss from the first element (STRICT): audit grades each finding itself.
+    with _Preserved(model), track(all_casts=True, policy="record", violations=STRICT) as casts:
         handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
         try:
             out = _call(model, example_inputs)

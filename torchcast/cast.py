@@ -11,6 +11,9 @@ import torch
 from . import _ops
 from ._inputs import check_input
 from .stats import CastStats, PendingStats, stats_tensor
+from .violations import STRICT, Violations
+
+_STRICT = Violations(STRICT)
 
 POLICIES = ("ignore", "record", "warn", "raise")
 
@@ -215,8 +218,8 @@ def violation_message(x: torch.Tensor, y: torch.Tensor, s: CastStats, rtol: Opti
     if integer:
         fields = (("nan", "NaN"), ("overflow", "out of range or infinite"))
     else:
-        fields = (("overflow", "overflowed to inf"), ("underflow", "underflowed to zero"),
-                  ("subnormal", "became subnormal"))
+        fields = (("nan", "were NaN (passed through)"), ("overflow", "overflowed to inf"),
+                  ("underflow", "underflowed to zero"), ("subnormal", "became subnormal"))
     for field, what in fields:
         if getattr(s, field):
             parts.append(f"{getattr(s, field)} {what}")
@@ -278,15 +281,19 @@ def graph_cut_message(what: str, src_dtype: torch.dtype, dtype: torch.dtype) -> 
             "or detach() explicitly.")
 
 
-def is_violation(s: CastStats, rtol: Optional[float], atol: Optional[float]) -> bool:
-    """Whether stats ``s`` break the policy: any overflow, underflow or
-    subnormal result, NaN cast to an integer or bool, or an error beyond
-    ``rtol``/``atol`` (None: not checked)."""
-    return bool(
-        s.overflow or s.underflow or s.subnormal
-        or (s.nan and is_integer_dtype(s.dtype))
-        or (rtol is not None and s.max_rel_err > rtol)
-        or (atol is not None and s.max_abs_err > atol))
+def is_violation(s: CastStats, rtol: Optional[float], atol: Optional[float],
+                 kinds: Optional[Violations] = None) -> bool:
+    """Whether stats ``s`` break the policy.
+
+    Args:
+        s: the cast's stats.
+        rtol, atol: the largest relative and absolute error that is not a
+            violation (None: not checked).
+        kinds: which losses count (default: safe_to's, ``violations.STRICT``:
+            any overflow, underflow or subnormal result, and NaN, infinite or
+            out-of-range values cast to an integer or bool).
+    """
+    return bool((kinds or _STRICT).found(s, rtol=rtol, atol=atol))
 
 
 def is_integer_dtype(dtype: Optional[torch.dtype]) -> bool:

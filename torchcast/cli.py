@@ -1,5 +1,5 @@
-"""``python -m torchcast track [--json FILE] [--policy P] [--top N] SCRIPT.py [ARGS...]``:
-runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
+"""``python -m torchcast track [--json FILE] [--policy P] [--violations KINDS] [--top N]
+SCRIPT.py [ARGS...]``: runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
 prints the report (to stderr) when the script ends, also when it raises or
 calls sys.exit. The exit code is the script's (1 if it raised). ``audit`` is
 another name for the same command."""
@@ -13,8 +13,16 @@ from typing import List, Optional
 import torch
 
 from .tracker import track
+from .violations import DEFAULT, KINDS, Violations
 
 COMMANDS = ("track", "audit")
+
+
+def _violations(spec):
+    try:
+        return Violations(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser():
@@ -29,6 +37,10 @@ def build_parser():
     parser.add_argument("--policy", choices=("record", "warn", "raise"), default="record",
                         help="what a violating cast does: record it (default), warn once per "
                              "site, or raise at the first one")
+    parser.add_argument("--violations", metavar="KINDS", default=DEFAULT, type=_violations,
+                        help="which losses are violations, each with the fraction of a cast's "
+                             f"elements above which it counts (default {DEFAULT!r}; 'all'; "
+                             f"kinds: {', '.join(KINDS)}; e.g. 'overflow,nan,subnormal>1%%')")
     parser.add_argument("--top", type=int, metavar="N",
                         help="print only the N worst sites")
     parser.add_argument("script", metavar="SCRIPT.py")
@@ -88,7 +100,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))
     code = 0
     try:
-        with track(all_casts=True, policy=opts.policy) as report:
+        with track(all_casts=True, policy=opts.policy, violations=opts.violations) as report:
             try:
                 runpy.run_path(opts.script, run_name="__main__")
             except SystemExit as e:

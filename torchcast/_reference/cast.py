@@ -127,6 +127,7 @@ def cast_with_stats(x, dtype, out=None):
     stats[0] = x.numel()
     if kind == "exact":
         y.copy_(x)
+        stats[1] = torch.isnan(x).sum()
         return y, stats
     y.copy_(correctly_rounded(x, dtype))
     xf = iteration_order(x, y)

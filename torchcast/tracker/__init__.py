@@ -25,6 +25,7 @@ from ..cast import (
     graph_cut_message, is_violation, remove_recorder, violation_message,
 )
 from ..stats import PendingStats
+from ..violations import Violations, ViolationsSpec
 from .measure import MeasuredCast
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
@@ -39,6 +40,7 @@ class _Recording:
     def __init__(self, report, policy, rtol, atol):
         self.report = report
         self.policy, self.rtol, self.atol = policy, rtol, atol
+        self.kinds = report.kinds
         self.warned = set()
 
     # -- safe_to's recorder (cast.add_recorder) ------------------------------------
@@ -67,15 +69,15 @@ class _Recording:
         where = f"{module} {short_path(file)}:{line}" if module else f"{short_path(file)}:{line}"
         head = f"torchcast.track: {origin} at {where}"
         message = None
-        if cast.graph_cut:
+        if cast.graph_cut and "graph_cut" in self.kinds:
             message = graph_cut_message(head, cast.src_dtype, cast.dtype)
-        elif cast.imag is not None and int(cast.imag):
+        elif "imag_dropped" in self.kinds and cast.imag is not None and int(cast.imag):
             message = (f"{head}: casting {cast.src_dtype} to {cast.dtype} dropped "
                        f"{int(cast.imag)} nonzero imaginary parts. Take .real or .abs() "
                        "explicitly, or keep a complex dtype.")
         if message is None and pending is not None:
             s = pending.value
-            if is_violation(s, self.rtol, self.atol):
+            if is_violation(s, self.rtol, self.atol, self.kinds):
                 message = violation_message(
                     cast.x, cast.y, s, self.rtol, self.atol, None, head=head,
                     advice=(f"Keep {s.src_dtype} here, rescale the data, or use "
@@ -109,17 +111,22 @@ class track:
             safe_to's.
         policy: "record", "warn" or "raise" (default:
             ``torchcast.get_policy()`` at each cast): what a violating tracked
-            cast does. A violation is any overflow, underflow or subnormal
-            result, ``max_rel_err > rtol`` or ``max_abs_err > atol`` when
-            given, a float tensor that requires grad cast to an integer or
-            bool dtype (the graph is cut), a complex -> real cast that drops
-            a nonzero imaginary part. "warn" warns once per site
+            cast does. What is a violation: ``violations``, and
+            ``max_rel_err > rtol`` or ``max_abs_err > atol`` when given.
+            "warn" warns once per site
             (PrecisionWarning); "raise" raises PrecisionLossError at the first
             one, naming its site. Tracked casts are always recorded ("ignore"
             acts like "record" here). "warn" and "raise" read each cast's
             stats: one device synchronization per cast.
         rtol, atol: None or a real number >= 0: the largest relative and
             absolute error that is not a violation (None: not checked).
+        violations: which losses are violations, each with the fraction of
+            a cast's elements above which it counts: a string such as
+            ``"overflow,nan,underflow>1%"``, ``"all"``, a dict kind ->
+            fraction, or an iterable of kinds (see torchcast.violations).
+            Default ``"overflow,underflow>1%,graph_cut,imag_dropped"``:
+            what breaks training. The other losses (subnormal results, NaN
+            passing through a cast) are listed as notes.
 
     Returns (on entry):
         The Report the block's casts are recorded into; read it after the
@@ -127,20 +134,23 @@ class track:
     """
 
     def __init__(self, all_casts: bool = False, *, policy: Optional[str] = None,
-                 rtol: Optional[float] = None, atol: Optional[float] = None):
+                 rtol: Optional[float] = None, atol: Optional[float] = None,
+                 violations: ViolationsSpec = None):
         if policy is not None:
             check_policy(policy)
         rtol = check_tolerance(rtol, "rtol", "torchcast.track")
         atol = check_tolerance(atol, "atol", "torchcast.track")
         self.all_casts = bool(all_casts)
         self.policy, self.rtol, self.atol = policy, rtol, atol
+        self.violations = Violations(violations)
         self._recording = None
 
     def __enter__(self) -> Report:
         if self._recording is not None:
             raise RuntimeError("torchcast.track: this track() is already active; nest a new "
                                "one instead: create a new torchcast.track()")
-        recording = _Recording(Report(self.rtol, self.atol), self.policy, self.rtol, self.atol)
+        recording = _Recording(Report(self.rtol, self.atol, self.violations), self.policy,
+                               self.rtol, self.atol)
         install(self.all_casts)
         add_recorder(recording.record_safe_to)
         if self.all_casts:

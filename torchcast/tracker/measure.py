@@ -14,7 +14,9 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from ..stats import merge_stats_tensors, stats_tensor
+from ..stats import STAT_FIELDS, merge_stats_tensors, stats_tensor
+
+_NUMEL, _NAN = STAT_FIELDS.index("numel"), STAT_FIELDS.index("nan")
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -75,8 +77,8 @@ def _measure(x, dtype, t):
 class MeasuredCast:
     """What measuring one cast found.
 
-    ``stats`` is None when there is nothing to measure (an exact cast) or the
-    loss cannot be measured (then ``measured`` is false); ``imag`` counts the
+    ``stats`` is None when the loss cannot be measured (then ``measured`` is
+    false); ``imag`` counts the
     elements whose nonzero imaginary part a complex -> real cast dropped;
     ``x`` and ``y`` are kept for a violation message (its rtol/atol counts).
     """
@@ -90,6 +92,16 @@ class MeasuredCast:
     double_rounded: Optional[torch.Tensor] = None
     x: Optional[torch.Tensor] = None
     y: Optional[torch.Tensor] = None
+
+
+def exact_stats(src: torch.Tensor) -> torch.Tensor:
+    """The stats tensor of an exact cast of ``src``, as the op writes it:
+    numel and the NaN it carries (a NaN gradient widened for the optimizer
+    is still news), on src's device, without a sync."""
+    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=src.device)
+    stats[_NUMEL] = src.numel()
+    stats[_NAN] = torch.isnan(src).sum()
+    return stats
 
 
 def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor],
@@ -119,8 +131,8 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         return None  # integer and bool sources: not a precision question track answers
     if s_dt not in _RANK or dtype not in _RANK:
         return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 and other formats
-    if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:
-        return MeasuredCast(s_dt, dtype, src.numel())  # widening (or the real part kept): exact
+    if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:  # widening (or the real part kept): exact
+        return MeasuredCast(s_dt, dtype, src.numel(), exact_stats(src))
     stats, differ, y = _measure(src, dtype, t)
     return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y)
 

@@ -9,15 +9,23 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..cast import is_integer_dtype
 from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_name
+from ..violations import Violations, ViolationsSpec
 from .sites import short_path
 
 # (module, file, line, origin, name, src_dtype, dtype): casts with the same
 # key merge into one Record.
 SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype]
 
-_LOSS_COLUMNS = ("inexact", "overflow", "underflow", "subnormal")
+_LOSS_COLUMNS = ("inexact", "nan", "overflow", "underflow", "subnormal")
+
+
+def _phrase_kind(phrase):
+    """The kind a violation phrase names ("12 overflow" -> "overflow",
+    "max rel err > rtol=1e-3" -> "rtol=1e-3")."""
+    if phrase.startswith("max "):
+        return phrase.split("> ")[-1]
+    return phrase.split(" ", 1)[1].replace("graph cuts", "graph cut")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,33 +72,28 @@ class Record:
         what = f" safe_to({self.name})" if self.name else ""
         return f"{self.module} {where}{what}" if self.module else f"{where}{what}"
 
-    def violations(self, rtol: Optional[float] = None,
-                   atol: Optional[float] = None) -> List[str]:
+    def violations(self, rtol: Optional[float] = None, atol: Optional[float] = None,
+                   kinds: ViolationsSpec = None) -> List[str]:
         """What makes this site a violation.
 
         Args:
             rtol, atol: the tolerances to check max_rel_err and max_abs_err
                 against (None: not checked).
+            kinds: which losses count, as track's ``violations`` (None:
+                ``torchcast.violations.DEFAULT``); fractions are of the
+                site's elements.
 
         Returns:
-            One phrase per kind of violation (empty list: none).
+            One phrase per kind of violation, e.g. "12 overflow" (empty
+            list: none).
         """
-        found = []
-        if self.graph_cuts:
-            found.append(f"{self.graph_cuts} graph cut{'s' if self.graph_cuts > 1 else ''}")
-        if self.imag_dropped:
-            found.append(f"{self.imag_dropped} imaginary parts dropped")
-        s = self.stats
-        if self.measured:
-            found += [f"{getattr(s, f)} {f}" for f in ("overflow", "underflow", "subnormal")
-                      if getattr(s, f)]
-            if s.nan and is_integer_dtype(self.dtype):  # safe_to to an integer/bool dtype
-                found.append(f"{s.nan} nan")
-            if rtol is not None and s.max_rel_err > rtol:
-                found.append(f"max rel err > rtol={rtol:g}")
-            if atol is not None and s.max_abs_err > atol:
-                found.append(f"max abs err > atol={atol:g}")
-        return found
+        return Violations(kinds).found(self.stats if self.measured else None, self.graph_cuts,
+                                       self.imag_dropped, rtol, atol)
+
+    def notes(self, kinds: ViolationsSpec = None) -> List[str]:
+        """The losses of this site that ``kinds`` does not count as
+        violations (e.g. "3 subnormal" under the default)."""
+        return Violations(kinds).notes(self.stats if self.measured else None)
 
     def to_dict(self) -> Dict[str, Any]:
         """The record as JSON-ready values (dtypes as strings, an infinite
@@ -148,10 +151,17 @@ class Report:
     Args:
         rtol, atol: the tolerances that make a site a violation (None: not
             checked), as given to track().
+        violations: which losses make a site a violation, as given to
+            track() (None: ``torchcast.violations.DEFAULT``).
+
+    Attributes:
+        kinds (torchcast.violations.Violations): ``violations``, parsed.
     """
 
-    def __init__(self, rtol: Optional[float] = None, atol: Optional[float] = None):
+    def __init__(self, rtol: Optional[float] = None, atol: Optional[float] = None,
+                 violations: ViolationsSpec = None):
         self.rtol, self.atol = rtol, atol
+        self.kinds = Violations(violations)
         self._sites = {}
         self._lock = threading.Lock()
 
@@ -181,13 +191,14 @@ class Report:
 
     def _severity(self, r):
         s = r.stats
-        return (bool(r.violations(self.rtol, self.atol)), r.graph_cuts, r.imag_dropped,
+        return (bool(r.violations(self.rtol, self.atol, self.kinds)), r.graph_cuts, r.imag_dropped,
                 s.overflow, s.underflow, s.subnormal, s.max_rel_err, s.inexact, s.numel)
 
     @property
     def violations(self) -> List[Record]:
-        """The records that are violations under this report's rtol/atol."""
-        return [r for r in self.records if r.violations(self.rtol, self.atol)]
+        """The records that are violations under this report's rtol, atol
+        and kinds."""
+        return [r for r in self.records if r.violations(self.rtol, self.atol, self.kinds)]
 
     def __len__(self) -> int:
         return len(self._sites)
@@ -206,29 +217,30 @@ class Report:
         """
         records = self.records
         shown = records if limit is None else records[:limit]
-        bad = sum(1 for r in records if r.violations(self.rtol, self.atol))
+        bad = sum(1 for r in records if r.violations(self.rtol, self.atol, self.kinds))
         calls = sum(r.calls for r in records)
         head = (f"torchcast.track: {len(records)} cast sites, {calls} casts, "
                 f"{bad} with violations (worst first)")
         if not records:
             return head
         rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
-                 "notes")]
+                 "violations", "notes")]
         for r in shown:
             s = r.stats
             losses = ([str(getattr(s, c)) for c in _LOSS_COLUMNS] + [f"{s.max_rel_err:.3g}"]
                       if r.measured else ["-"] * (len(_LOSS_COLUMNS) + 1))
-            notes = r.violations(self.rtol, self.atol)
-            notes = [n for n in notes if not n.endswith(("overflow", "underflow", "subnormal"))]
+            found = r.violations(self.rtol, self.atol, self.kinds)
+            flagged = ", ".join(_phrase_kind(p) for p in found)
+            notes = [n for n in r.notes(self.kinds) if n.split()[-1] not in _LOSS_COLUMNS]
             if r.double_rounded:
                 notes.append(f"{r.double_rounded} double-rounded by torch")
             rows.append((r.site, r.origin, str(r.calls),
                          f"{short_dtype_name(r.src_dtype)}->{short_dtype_name(r.dtype)}",
-                         str(s.numel), *losses, "; ".join(notes)))
+                         str(s.numel), *losses, flagged, "; ".join(notes)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [head]
         for row in rows:
-            cells = [c.ljust(w) if i in (0, 1, 3, len(row) - 1) else c.rjust(w)
+            cells = [c.ljust(w) if i in (0, 1, 3, len(row) - 2, len(row) - 1) else c.rjust(w)
                      for i, (c, w) in enumerate(zip(row, widths))]
             lines.append("  ".join(cells).rstrip())
         if len(shown) < len(records):
@@ -246,10 +258,16 @@ class Report:
         """The report as JSON-ready values, for ``from_dict``.
 
         Returns:
-            {"format", "version", "rtol", "atol", "records": [Record.to_dict()]}.
+            {"format", "version", "rtol", "atol", "violations", "records":
+            [Record.to_dict()]}; each record also lists its "violations".
         """
+        records = []
+        for r in self.records:
+            record = r.to_dict()
+            record["violations"] = r.violations(self.rtol, self.atol, self.kinds)
+            records.append(record)
         return {"format": "torchcast.track.Report", "version": 1, "rtol": self.rtol,
-                "atol": self.atol, "records": [r.to_dict() for r in self.records]}
+                "atol": self.atol, "violations": str(self.kinds), "records": records}
 
     def to_json(self, **kwargs: Any) -> str:
         """``to_dict()`` as strict JSON.
@@ -272,7 +290,7 @@ class Report:
         if data.get("format") != "torchcast.track.Report":
             raise ValueError("torchcast.Report.from_dict: not a torchcast.track report "
                              f"(format={data.get('format')!r})")
-        report = cls(data.get("rtol"), data.get("atol"))
+        report = cls(data.get("rtol"), data.get("atol"), data.get("violations"))
         report._merge_records(data["records"])
         return report
 
