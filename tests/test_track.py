@@ -433,11 +433,11 @@ def test_casts_in_torchcast_own_modules_are_not_the_users(module, own):
     scope = {"user_site": user_site, "sys": sys}
     line = here() + 1
     exec(code, scope)
-    assert scope["site"] == (None if own else (HERE, line))
+    assert scope["site"] == (None if own else (HERE, line, None))
     skipping = compile("site = user_site(sys._getframe(), skip_own=True)", path, "exec")
     line = here() + 1
     exec(skipping, scope)
-    assert scope["site"] == (HERE, line)
+    assert scope["site"] == (HERE, line, None)
 
 
 def _interception_state():

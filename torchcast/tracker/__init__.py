@@ -30,7 +30,7 @@ from .measure import MeasuredCast
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .report import Record, Report, SiteKey, merge_into
-from .sites import short_path, user_site
+from .sites import library_dirs, set_library_dirs, short_path, user_site
 
 
 class _Recording:
@@ -46,8 +46,9 @@ class _Recording:
     # -- safe_to's recorder (cast.add_recorder) ------------------------------------
     def record_safe_to(self, pending: PendingStats, name: Optional[str]) -> None:
         """Records a safe_to at the user's line that called it."""
-        file, line = user_site(sys._getframe(1), skip_own=True)
-        key = (current_module(), file, line, "safe_to", name, pending.src_dtype, pending.dtype)
+        site = user_site(sys._getframe(1), skip_own=True)
+        key = (current_module(), site.file, site.line, "safe_to", name, pending.src_dtype,
+               pending.dtype, site.via)
         merge_into(self.report, key, pending.tensor, measured=True)
 
     # -- the dispatch mode's recorder (mode.CastRecorder) --------------------------
@@ -66,7 +67,10 @@ class _Recording:
         if pol not in ("warn", "raise"):
             return
         module, file, line, origin = key[:4]
+        via = key[7]
         where = f"{module} {short_path(file)}:{line}" if module else f"{short_path(file)}:{line}"
+        if via:
+            where += f" (via {via})"
         head = f"torchcast.track: {origin} at {where}"
         message = None
         if cast.graph_cut and "graph_cut" in self.kinds:
@@ -169,4 +173,4 @@ class track:
         return False
 
 
-__all__ = ["Record", "Report", "track"]
+__all__ = ["Record", "Report", "library_dirs", "set_library_dirs", "track"]

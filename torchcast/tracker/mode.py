@@ -111,7 +111,7 @@ def _tracked_cast(recorders, func, args, kwargs):
     with torch.no_grad():
         cast = measure_cast(src, dtype, out, grad_enabled)
     if cast is not None:
-        key = (module, site[0], site[1], origin, None, cast.src_dtype, cast.dtype)
+        key = (module, site.file, site.line, origin, None, cast.src_dtype, cast.dtype, site.via)
         pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
             if cast.stats is not None else None
         for recorder in recorders:

@@ -13,9 +13,10 @@ from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_nam
 from ..violations import Violations, ViolationsSpec
 from .sites import short_path
 
-# (module, file, line, origin, name, src_dtype, dtype): casts with the same
-# key merge into one Record.
-SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype]
+# (module, file, line, origin, name, src_dtype, dtype, via): casts with the
+# same key merge into one Record.
+SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype,
+                Optional[str]]
 
 _LOSS_COLUMNS = ("inexact", "nan", "overflow", "underflow", "subnormal")
 
@@ -42,7 +43,9 @@ class Record:
     whose nonzero imaginary part a complex -> real cast dropped;
     ``double_rounded`` the elements where PyTorch's float64 ->
     float16/bfloat16 cast (rounded twice, through float32) differs from the
-    correctly rounded value: ``stats`` measure PyTorch's value."""
+    correctly rounded value: ``stats`` measure PyTorch's value. ``file`` and
+    ``line`` are the user's (outside torch, torchcast and libraries); ``via``
+    is the library frame the cast came through ("path:line"), if any."""
 
     module: Optional[str]
     file: str
@@ -57,19 +60,21 @@ class Record:
     graph_cuts: int = 0
     imag_dropped: int = 0
     double_rounded: int = 0
+    via: Optional[str] = None
 
     @property
     def key(self) -> SiteKey:
-        """(module, file, line, origin, name, src_dtype, dtype): what
+        """(module, file, line, origin, name, src_dtype, dtype, via): what
         identifies the site."""
         return (self.module, self.file, self.line, self.origin, self.name, self.src_dtype,
-                self.dtype)
+                self.dtype, self.via)
 
     @property
     def site(self) -> str:
-        """The site as printed: "module file:line safe_to(name)"."""
+        """The site as printed: "module file:line safe_to(name) via lib.py:N"."""
         where = f"{short_path(self.file)}:{self.line}"
-        what = f" safe_to({self.name})" if self.name else ""
+        what = (f" safe_to({self.name})" if self.name else "") + \
+            (f" via {self.via}" if self.via else "")
         return f"{self.module} {where}{what}" if self.module else f"{where}{what}"
 
     def violations(self, rtol: Optional[float] = None, atol: Optional[float] = None,
@@ -105,7 +110,8 @@ class Record:
         stats["sqnr_db"] = sqnr if math.isfinite(sqnr) else None  # strict JSON has no inf/NaN
         return {
             "site": self.site, "module": self.module, "file": self.file, "line": self.line,
-            "origin": self.origin, "name": self.name, "src_dtype": str(self.src_dtype),
+            "via": self.via, "origin": self.origin, "name": self.name,
+            "src_dtype": str(self.src_dtype),
             "dtype": str(self.dtype), "calls": self.calls, "measured": self.measured,
             "graph_cuts": self.graph_cuts, "imag_dropped": self.imag_dropped,
             "double_rounded": self.double_rounded, "stats": stats,
@@ -177,7 +183,7 @@ class Report:
         n = len(items)
         records = []
         for i, (key, site, merged) in enumerate(items):
-            module, file, line, origin, name, src_dtype, dtype = key
+            module, file, line, origin, name, src_dtype, dtype, via = key
             if merged is None:
                 stats = CastStats(src_dtype, dtype, numel=site.numel)
             else:
@@ -185,7 +191,7 @@ class Report:
                 stats = dataclasses.replace(stats, numel=stats.numel + site.numel)
             records.append(Record(module, file, line, origin, name, src_dtype, dtype, site.calls,
                                   stats, site.measured, site.graph_cuts,
-                                  int(values[n + i]), int(values[2 * n + i])))
+                                  int(values[n + i]), int(values[2 * n + i]), via))
         records.sort(key=self._severity, reverse=True)
         return records
 
@@ -309,7 +315,7 @@ class Report:
     def _merge_records(self, records):
         for r in records:
             key = (r["module"], r["file"], r["line"], r["origin"], r["name"],
-                   _dtype_from_str(r["src_dtype"]), _dtype_from_str(r["dtype"]))
+                   _dtype_from_str(r["src_dtype"]), _dtype_from_str(r["dtype"]), r.get("via"))
             stats = torch.tensor([float(r["stats"][f]) for f in STAT_FIELDS], dtype=torch.float64)
             merge_into(self, key, stats, measured=r["measured"], calls=r["calls"],
                        graph_cuts=r["graph_cuts"], imag=r["imag_dropped"],

@@ -1,9 +1,16 @@
 """Where a cast comes from: the user's file:line (the innermost frame outside
-torch and torchcast), and whether torchcast's own machinery did it (then it
-is not the user's cast: safe_to records itself)."""
+torch, torchcast and the libraries), the library frame it came through (the
+innermost frame outside torch and torchcast, when that is a library's), and
+whether torchcast's own machinery did it (then it is not the user's cast:
+safe_to records itself).
+
+Libraries are the files under site-packages / dist-packages and the standard
+library (sysconfig's purelib, platlib, stdlib and platstdlib), or the
+directories given to ``set_library_dirs``."""
 import os
+import sysconfig
 from types import FrameType
-from typing import Optional, Tuple
+from typing import Iterable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -14,8 +21,58 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # package (_reference) stays covered. The rest of the package (the tracker,
 # optim, reduce, demo, ...) is walked past, to the user's frame that called it.
 _OWN_MODULES = frozenset(("cast.py", "_ops.py", "stats.py", "nn.py", "_reference"))
-_USER, _SKIP, _OWN = 0, 1, 2
+_USER, _SKIP, _OWN, _LIBRARY = 0, 1, 2, 3
 _file_kinds = {}
+
+
+def _default_library_dirs():
+    paths = sysconfig.get_paths()
+    dirs = [paths[k] for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths]
+    return _longest_first(dirs)
+
+
+def _longest_first(dirs):
+    """Directories as prefixes, the longest first: a path is shortened by the
+    innermost library directory that holds it (site-packages lies inside the
+    standard library's directory)."""
+    return tuple(sorted({os.path.abspath(d).rstrip(os.sep) + os.sep for d in dirs},
+                        key=lambda d: (-len(d), d)))
+
+
+_library_dirs = _default_library_dirs()
+
+
+class Site(NamedTuple):
+    """Where a cast was made."""
+
+    file: str  # the user's file (innermost frame outside torch, torchcast and libraries)
+    line: int
+    via: Optional[str]  # "path:line" of the library frame the cast came through, or None
+
+
+def library_dirs() -> Tuple[str, ...]:
+    """The directories whose files are library code, not the user's."""
+    return _library_dirs
+
+
+def set_library_dirs(dirs: Iterable[str]) -> Tuple[str, ...]:
+    """Sets which directories hold library code: a cast made there is
+    attributed to the innermost user frame that called it, with the library
+    frame shown as ``via``.
+
+    Args:
+        dirs: directories (default: ``sysconfig``'s site-packages and
+            standard library). Pass ``library_dirs()`` plus your own to add
+            one, ``()`` to treat every file as the user's.
+
+    Returns:
+        The previous directories, to restore them.
+    """
+    global _library_dirs
+    previous = _library_dirs
+    _library_dirs = _longest_first(dirs)
+    _file_kinds.clear()
+    return previous
 
 
 def _file_kind(filename: str) -> int:
@@ -27,14 +84,17 @@ def _file_kind(filename: str) -> int:
             kind = _OWN if first in _OWN_MODULES else _SKIP
         elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
             kind = _SKIP
+        elif path.startswith(_library_dirs):
+            kind = _LIBRARY
         else:
             kind = _USER
         _file_kinds[filename] = kind
     return kind
 
 
-def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Tuple[str, int]]:
-    """The (file, line) of the innermost user frame from ``frame`` outwards.
+def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Site]:
+    """The innermost user frame from ``frame`` outwards, and the library frame
+    between it and the cast.
 
     Args:
         frame: the frame to start from (the caller of the tracker's hook).
@@ -42,22 +102,38 @@ def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Tuple[str,
             otherwise a cast that one of them did is not the user's.
 
     Returns:
-        (file, line); ("<no python frame>", 0) when no user frame is on the
-        stack (the autograd engine's device threads); None when torchcast's
+        The Site; ("<no python frame>", 0) when no user or library frame is
+        on the stack (the autograd engine's device threads), the outermost
+        library frame when only library frames are; None when torchcast's
         own code did the cast and ``skip_own`` is false.
     """
+    library = None
     while frame is not None:
         kind = _file_kind(frame.f_code.co_filename)
         if kind == _USER:
-            return frame.f_code.co_filename, frame.f_lineno
-        if kind == _OWN and not skip_own:
+            via = f"{short_path(library[0])}:{library[1]}" if library else None
+            return Site(frame.f_code.co_filename, frame.f_lineno, via)
+        if kind == _LIBRARY:
+            if library is None:
+                library = (frame.f_code.co_filename, frame.f_lineno)
+            outermost = (frame.f_code.co_filename, frame.f_lineno)
+        elif kind == _OWN and not skip_own:
             return None
         frame = frame.f_back
-    return "<no python frame>", 0
+    if library is not None:
+        return Site(outermost[0], outermost[1],
+                    None if outermost == library else f"{short_path(library[0])}:{library[1]}")
+    return Site("<no python frame>", 0, None)
 
 
 def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it."""
+    """``path`` relative to the library directory that holds it
+    (``transformers/modeling_utils.py``), else to the working directory when
+    it lies below it, else as it is."""
+    absolute = os.path.abspath(path)
+    for d in _library_dirs:
+        if absolute.startswith(d):
+            return absolute[len(d):]
     try:
         rel = os.path.relpath(path)
     except ValueError:
