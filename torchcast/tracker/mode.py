@@ -16,11 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..stats import PendingStats
 from .measure import MeasuredCast, measure_cast
-from .modules import (AutocastWatch, autocast_on, current_module, in_program_cast,
-                      install_module_hooks, module_of_node, refresh_autocast_state,
-                      remove_module_hooks)
+from .modules import (AutocastWatch, current_module, install_module_hooks, module_of_node,
+                      refresh_autocast_state, remove_module_hooks)
+from .origins import made_by_autocast, origin_of
 from .report import SiteKey
-from .sites import user_site
+from .sites import outside_torchcast, user_site
 
 aten = torch.ops.aten
 _TO_COPY = aten._to_copy.default
@@ -94,19 +94,18 @@ def _tracked_cast(recorders, func, args, kwargs):
     if site is None:
         return func(*args, **kwargs)
     node = torch._C._current_autograd_node()
+    caller = None
     if node is not None:
         origin, module = "backward", module_of_node(node)
     else:
         module = current_module()
-        if dst is not None:
-            origin = "copy_"
-        elif not in_program_cast() and autocast_on(src.device.type):
-            origin = "autocast"
-        else:
-            origin = "cast"
+        caller = outside_torchcast(sys._getframe(1))
+        origin = origin_of(caller, src, copy=dst is not None)
     # A fresh result can be computed first and measured as it is; copy_ is
     # measured before it writes, so that policy "raise" leaves dst untouched.
     out = func(*args, **kwargs) if dst is None else None
+    if origin == "autocast":
+        made_by_autocast(caller, out)
     grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
         cast = measure_cast(src, dtype, out, grad_enabled)

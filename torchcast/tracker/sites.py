@@ -126,6 +126,15 @@ def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Site]:
     return Site("<no python frame>", 0, None)
 
 
+def outside_torchcast(frame: Optional[FrameType]) -> Optional[FrameType]:
+    """The innermost frame from ``frame`` outwards that is not torchcast's
+    (the code whose call reached the tracker: the user's, a library's or
+    torch's own Python code)."""
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
+        frame = frame.f_back
+    return frame
+
+
 def short_path(path: str) -> str:
     """``path`` relative to the library directory that holds it
     (``transformers/modeling_utils.py``), else to the working directory when
