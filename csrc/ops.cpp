@@ -6,6 +6,7 @@
 
 #include "numerics.h"
 #include "program_casts.h"
+#include "thread_casts.h"
 
 namespace {
 
@@ -34,10 +35,31 @@ PyObject* in_program_cast(PyObject*, PyObject*) {
   return PyBool_FromLong(torchcast::in_program_cast());
 }
 
+PyObject* set_cast_callback(PyObject*, PyObject* callback) {
+  if (callback != Py_None && !PyCallable_Check(callback)) {
+    PyErr_SetString(PyExc_TypeError, "set_cast_callback: expected a callable or None");
+    return nullptr;
+  }
+  torchcast::set_cast_callback(callback);
+  Py_RETURN_NONE;
+}
+
+PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
+  const int tracked = PyObject_IsTrue(flag);
+  if (tracked < 0) return nullptr;
+  torchcast::set_thread_tracked(tracked != 0);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"in_program_cast", in_program_cast, METH_NOARGS,
      "Whether this thread is inside a cast the program asked for under autocast "
      "(csrc/program_casts.cpp)."},
+    {"set_cast_callback", set_cast_callback, METH_O,
+     "Sets callback(src, out), called after every cast in threads no track's dispatch mode "
+     "covers; None unsets it (csrc/thread_casts.cpp)."},
+    {"set_thread_tracked", set_thread_tracked, METH_O,
+     "Marks this thread as covered by a track's dispatch mode (csrc/thread_casts.cpp)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -45,8 +67,9 @@ PyMethodDef methods[] = {
 
 extern "C" {
 // Importing torchcast._C runs the static registrations of every file; the
-// module itself holds constants and in_program_cast. with_cuda: whether the
-// CUDA kernels were built (and so registered).
+// module itself holds constants and the tracker's switches (in_program_cast,
+// set_cast_callback, set_thread_tracked). with_cuda: whether the CUDA kernels
+// were built (and so registered).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);

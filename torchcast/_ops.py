@@ -22,6 +22,12 @@ WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
 # for while autocast is on (one that passed aten::_to_copy's autocast keys,
 # which autocast's own casts bypass): csrc/program_casts.cpp.
 in_program_cast = _C.in_program_cast if WITH_EXTENSION else _python_ops.in_program_cast
+# set_cast_callback(callback or None): callback(src, out) is called after every
+# cast in a thread that no track's dispatch mode covers (set_thread_tracked):
+# csrc/thread_casts.cpp. None in a build without the extension (a Python
+# kernel there would receive wrapped Python numbers, not tensors).
+set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
+set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
 
 
 # ---------------------------------------------------------------------------

@@ -127,3 +127,4 @@ def in_program_cast():
 _aten_lib = torch.library.Library("aten", "IMPL")
 for _key in _AUTOCAST_KEYS:
     _aten_lib.impl("_to_copy", _program_to_copy, _key.name, with_keyset=True)
+

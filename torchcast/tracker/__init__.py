@@ -3,14 +3,17 @@ module and source line that did them, and merged by site.
 
 ``with track() as report`` collects every safe_to (policies record/warn/raise).
 ``track(all_casts=True)`` also intercepts, at the dispatcher, every cast that
-PyTorch itself performs in the block (mode.py); the program's behaviour does
-not change under track.
+PyTorch itself performs while the block runs: in its thread (mode.py), in
+the program's other threads and in processes forked from it (threads.py);
+the program's behaviour does not change under track.
 
 The package, by concern: sites.py (which file:line a cast comes from),
-modules.py (which module is running, whether a cast is autocast's),
-measure.py (the stats of one cast as PyTorch performs it), mode.py (the
-dispatch mode and the global state it installs), report.py (Record and
-Report: merging, reading, JSON). This module holds track() itself.
+modules.py (which module is running, autocast's state), origins.py (the
+program's cast, autocast's or an op's own), measure.py (the stats of one
+cast as PyTorch performs it), mode.py (the dispatch mode and the global
+state it installs), threads.py (other threads, worker processes),
+report.py (Record and Report: merging, reading, JSON). This module holds
+track() itself.
 
 The stats stay tensors on the cast's device (merged per site by
 ``merge_stats_tensors``) until the report is read, unless the policy is "warn"
@@ -31,6 +34,7 @@ from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
+from .threads import close_spool, open_spool, unwatch_other_threads, watch_other_threads
 
 
 class _Recording:
@@ -148,6 +152,7 @@ class track:
         self.policy, self.rtol, self.atol = policy, rtol, atol
         self.violations = Violations(violations)
         self._recording = None
+        self._spool = None
 
     def __enter__(self) -> Report:
         if self._recording is not None:
@@ -159,6 +164,8 @@ class track:
         add_recorder(recording.record_safe_to)
         if self.all_casts:
             push_mode(recording)
+            watch_other_threads(recording)
+            self._spool = open_spool(recording.report)
         self._recording = recording
         return recording.report
 
@@ -166,10 +173,14 @@ class track:
         recording, self._recording = self._recording, None
         try:
             if self.all_casts:
+                unwatch_other_threads(recording)
                 pop_mode(recording)
         finally:
             remove_recorder(recording.record_safe_to)
             uninstall(self.all_casts)
+            if self.all_casts:
+                spool, self._spool = self._spool, None
+                close_spool(spool)
         return False
 
 

@@ -9,18 +9,20 @@ lookup, then the op). A tracked cast returns exactly what PyTorch returns.
 """
 import sys
 import threading
-from typing import Optional, Protocol
+from types import FrameType
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import _ops
 from ..stats import PendingStats
 from .measure import MeasuredCast, measure_cast
-from .modules import (AutocastWatch, current_module, install_module_hooks, module_of_node,
-                      refresh_autocast_state, remove_module_hooks)
+from .modules import (current_module, install_module_hooks, module_of_node,
+                      refresh_autocast_state, remove_module_hooks, watch_autocast)
 from .origins import made_by_autocast, origin_of
 from .report import SiteKey
-from .sites import outside_torchcast, user_site
+from .sites import Site, outside_torchcast, user_site
 
 aten = torch.ops.aten
 _TO_COPY = aten._to_copy.default
@@ -90,34 +92,71 @@ def _tracked_cast(recorders, func, args, kwargs):
     if (dtype is None or dtype == src.dtype or type(src) not in _PLAIN_TYPES
             or src.device.type == "meta" or torch.compiler.is_compiling()):
         return func(*args, **kwargs)
-    site = user_site(sys._getframe(1), skip_own=False)
-    if site is None:
+    where = locate_cast(sys._getframe(1), src, copy=dst is not None)
+    if where is None:
         return func(*args, **kwargs)
-    node = torch._C._current_autograd_node()
-    caller = None
-    if node is not None:
-        origin, module = "backward", module_of_node(node)
-    else:
-        module = current_module()
-        caller = outside_torchcast(sys._getframe(1))
-        origin = origin_of(caller, src, copy=dst is not None)
     # A fresh result can be computed first and measured as it is; copy_ is
     # measured before it writes, so that policy "raise" leaves dst untouched.
     out = func(*args, **kwargs) if dst is None else None
-    if origin == "autocast":
-        made_by_autocast(caller, out)
+    report_cast(recorders, where, src, dtype, out)
+    return func(*args, **kwargs) if out is None else out
+
+
+class CastPlace(NamedTuple):
+    """Where a cast was made and by whom."""
+
+    module: Optional[str]
+    site: Site
+    origin: str
+    caller: Optional[FrameType]  # the innermost frame outside torchcast (forward casts)
+
+
+def locate_cast(frame: Optional[FrameType], src: torch.Tensor, copy: bool) -> Optional[CastPlace]:
+    """The module, site and origin of a cast of ``src`` that reached the
+    tracker from ``frame``; None when torchcast's own code made it.
+
+    Args:
+        frame: the frame the tracker was called from.
+        src: the tensor cast.
+        copy: whether it is a ``copy_`` into an existing tensor.
+    """
+    site = user_site(frame, skip_own=False)
+    if site is None:
+        return None
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        return CastPlace(module_of_node(node), site, "backward", None)
+    caller = outside_torchcast(frame)
+    return CastPlace(current_module(), site, origin_of(caller, src, copy), caller)
+
+
+def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.Tensor,
+                dtype: torch.dtype, out: Optional[torch.Tensor]) -> None:
+    """Measures a cast of ``src`` to ``dtype`` and reports it to every
+    recorder (which may raise, under policy "raise").
+
+    Args:
+        recorders: the active tracks' recorders.
+        where: the cast's place (locate_cast).
+        src, dtype: the cast.
+        out: PyTorch's result, when already computed (None: a copy_ that has
+            not written yet).
+    """
+    if where.origin == "autocast" and out is not None:
+        made_by_autocast(where.caller, out)
     grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
         cast = measure_cast(src, dtype, out, grad_enabled)
-    if cast is not None:
-        key = (module, site.file, site.line, origin, None, cast.src_dtype, cast.dtype, site.via)
-        pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
-            if cast.stats is not None else None
-        for recorder in recorders:
-            recorder.add_cast(key, cast)
-        for recorder in recorders:
-            recorder.apply_policy(key, cast, pending)
-    return func(*args, **kwargs) if out is None else out
+    if cast is None:
+        return
+    key = (where.module, where.site.file, where.site.line, where.origin, None, cast.src_dtype,
+           cast.dtype, where.site.via)
+    pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
+        if cast.stats is not None else None
+    for recorder in recorders:
+        recorder.add_cast(key, cast)
+    for recorder in recorders:
+        recorder.apply_policy(key, cast, pending)
 
 
 def push_mode(recorder: CastRecorder) -> None:
@@ -128,6 +167,7 @@ def push_mode(recorder: CastRecorder) -> None:
     if mode is None:
         mode = _local.mode = _CastMode()
         mode.__enter__()
+        _ops.set_thread_tracked(True)
     mode.recorders.append(recorder)
 
 
@@ -137,21 +177,23 @@ def pop_mode(recorder: CastRecorder) -> None:
     mode.recorders.remove(recorder)
     if not mode.recorders:
         _local.mode = None
+        _ops.set_thread_tracked(False)
         mode.__exit__(None, None, None)
 
 
 class _Installed:
-    """Reference-counted global state: module hooks (any track) and the
-    watch on torch.set_autocast_enabled (all_casts); nothing is left behind
-    when the last track exits. (The kernel that marks the program's casts
-    under autocast is registered once, at import: csrc/program_casts.cpp.)"""
+    """Global state: the module hooks, reference-counted (installed while any
+    track is active); the watch on torch.set_autocast_enabled, installed at
+    the first all_casts track and kept, so that every thread's autocast
+    state stays known however tracks start and end around it. (The kernels
+    that mark the program's casts under autocast and report other threads'
+    casts are registered once, at import: csrc/program_casts.cpp,
+    csrc/thread_casts.cpp.)"""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.hooks = 0
         self.hook_handles = ()
-        self.watches = 0
-        self.autocast_watch = None
 
     def acquire(self, all_casts):
         with self.lock:
@@ -159,18 +201,11 @@ class _Installed:
                 self.hook_handles = install_module_hooks()
             self.hooks += 1
             if all_casts:
-                if self.watches == 0:
-                    self.autocast_watch = AutocastWatch()
-                self.watches += 1
+                watch_autocast()
                 refresh_autocast_state()
 
     def release(self, all_casts):
         with self.lock:
-            if all_casts:
-                self.watches -= 1
-                if self.watches == 0:
-                    self.autocast_watch.remove()
-                    self.autocast_watch = None
             self.hooks -= 1
             if self.hooks == 0:
                 remove_module_hooks(self.hook_handles)
@@ -187,5 +222,5 @@ def install(all_casts: bool) -> None:
 
 
 def uninstall(all_casts: bool) -> None:
-    """Undoes one ``install(all_casts)``; the last one removes everything."""
+    """Undoes one ``install(all_casts)``; the last one removes the module hooks."""
     _installed.release(all_casts)

@@ -23,7 +23,7 @@ An unmarked cast while autocast is on is autocast's.
 import bisect
 import threading
 import weakref
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -36,10 +36,11 @@ _local = threading.local()
 # The module-call stack.
 
 class _Call:
-    __slots__ = ("path", "names", "start", "end", "parent")
+    __slots__ = ("path", "names", "start", "end", "parent", "module_id", "epoch")
 
-    def __init__(self, path, names, start, parent):
+    def __init__(self, path, names, start, parent, module_id, epoch):
         self.path, self.names, self.start, self.end, self.parent = path, names, start, None, parent
+        self.module_id, self.epoch = module_id, epoch
 
 
 _names_cache = weakref.WeakKeyDictionary()
@@ -49,10 +50,20 @@ _calls_lock = threading.Lock()
 _sequence_nr = torch._C._autograd._get_sequence_nr
 
 
+# Hooks are installed and removed while other threads run forwards: a forward
+# whose pre-hook ran but whose post-hook was removed leaves its call on that
+# thread's stack. Each installation is an epoch; calls of an earlier epoch
+# are dropped when the stack is next used, and a post-hook pops only its own
+# module's call.
+_epoch = 0
+
+
 def _stack():
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
+    elif stack and stack[0].epoch != _epoch:
+        stack[:] = [c for c in stack if c.epoch == _epoch]
     return stack
 
 
@@ -75,7 +86,7 @@ def _pre_hook(module, args):
     else:
         names = parent.names
         path = names.get(module) or f"{parent.path}/{type(module).__name__}"
-    call = _Call(path, names, _sequence_nr(), parent)
+    call = _Call(path, names, _sequence_nr(), parent, id(module), _epoch)
     stack.append(call)
     with _calls_lock:
         if len(_calls) >= _MAX_CALLS:
@@ -86,7 +97,7 @@ def _pre_hook(module, args):
 
 def _post_hook(module, args, output):
     stack = _stack()
-    if stack:
+    if stack and stack[-1].module_id == id(module):
         stack.pop().end = _sequence_nr()
 
 
@@ -96,6 +107,8 @@ def install_module_hooks() -> Tuple[object, object]:
     Returns:
         Their handles, for ``remove_module_hooks``.
     """
+    global _epoch
+    _epoch += 1
     mod = torch.nn.modules.module
     return (mod.register_module_forward_pre_hook(_pre_hook),
             mod.register_module_forward_hook(_post_hook, always_call=True))
@@ -118,7 +131,7 @@ def remove_module_hooks(handles: Tuple[object, object]) -> None:
 def current_module() -> Optional[str]:
     """The path of the module whose forward this thread is running (e.g.
     "layers.0.linear1"), or None outside any forward or outside track()."""
-    stack = getattr(_local, "stack", None)
+    stack = _stack()
     return stack[-1].path if stack else None
 
 
@@ -168,18 +181,19 @@ def _watching_set_autocast_enabled(original):
     return set_autocast_enabled
 
 
-class AutocastWatch:
-    """Refreshes this thread's autocast state after every
-    torch.set_autocast_enabled, while installed."""
+_watching = False
 
-    def __init__(self):
-        self.set_autocast_enabled: Callable = torch.set_autocast_enabled
-        torch.set_autocast_enabled = _watching_set_autocast_enabled(self.set_autocast_enabled)
 
-    def remove(self) -> None:
-        """Restores torch.set_autocast_enabled (unless someone replaced it since)."""
-        if getattr(torch.set_autocast_enabled, "__wrapped__", None) is self.set_autocast_enabled:
-            torch.set_autocast_enabled = self.set_autocast_enabled
+def watch_autocast() -> None:
+    """From now on, refreshes the calling thread's autocast state after every
+    torch.set_autocast_enabled (torch.autocast enters and exits through it).
+    Installed once and kept: with tracks starting and ending in some threads
+    while others enter and leave autocast, a watch that comes and goes
+    leaves those threads' states stale. Call with the tracker's lock held."""
+    global _watching
+    if not _watching:
+        torch.set_autocast_enabled = _watching_set_autocast_enabled(torch.set_autocast_enabled)
+        _watching = True
 
 
 def autocast_on(device_type: str) -> bool:

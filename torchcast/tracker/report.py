@@ -297,7 +297,7 @@ class Report:
             raise ValueError("torchcast.Report.from_dict: not a torchcast.track report "
                              f"(format={data.get('format')!r})")
         report = cls(data.get("rtol"), data.get("atol"), data.get("violations"))
-        report._merge_records(data["records"])
+        report.merge_records(data["records"])
         return report
 
     @classmethod
@@ -312,7 +312,18 @@ class Report:
         """
         return cls.from_dict(json.loads(text))
 
-    def _merge_records(self, records):
+    def clear(self) -> None:
+        """Forgets every record (a forked worker starts from nothing)."""
+        with self._lock:
+            self._sites = {}
+
+    def merge_records(self, records: List[Dict[str, Any]]) -> None:
+        """Merges records in ``to_dict()["records"]``'s form into this report
+        (another rank's, a worker process's).
+
+        Args:
+            records: the records, as ``Record.to_dict`` gives them.
+        """
         for r in records:
             key = (r["module"], r["file"], r["line"], r["origin"], r["name"],
                    _dtype_from_str(r["src_dtype"]), _dtype_from_str(r["dtype"]), r.get("via"))
@@ -339,10 +350,9 @@ class Report:
         mine = self.to_dict()["records"]
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
-        with self._lock:
-            self._sites = {}
+        self.clear()
         for records in gathered:
-            self._merge_records(records)
+            self.merge_records(records)
         return self
 
 

@@ -126,13 +126,22 @@ def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Site]:
     return Site("<no python frame>", 0, None)
 
 
+# torch's dispatcher plumbing in Python (OpOverload.__call__ and redispatch,
+# Python kernels, modes): frames that pass an op along, not calls that ask for one.
+_DISPATCH_FILES = tuple(os.path.join(_TORCH_DIR, p) for p in (
+    "_ops.py", "_library" + os.sep, os.path.join("utils", "_python_dispatch.py")))
+
+
 def outside_torchcast(frame: Optional[FrameType]) -> Optional[FrameType]:
-    """The innermost frame from ``frame`` outwards that is not torchcast's
-    (the code whose call reached the tracker: the user's, a library's or
-    torch's own Python code)."""
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
+    """The innermost frame from ``frame`` outwards that is neither
+    torchcast's nor torch's dispatcher plumbing (the code whose call reached
+    the tracker: the user's, a library's or torch's own Python code)."""
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(_PKG_DIR) or path.startswith(_DISPATCH_FILES)):
+            return frame
         frame = frame.f_back
-    return frame
+    return None
 
 
 def short_path(path: str) -> str:
