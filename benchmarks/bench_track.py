@@ -13,9 +13,12 @@ is printed too, since on a machine shared with other jobs it moves less.
 Configurations: float32 (no casts: the cost of intercepting every op) and
 CPU bfloat16 autocast (autocast's casts, each one measured by the fused op),
 at the "small" size the overhead target is stated for and at a "tiny" size
-where the per-op cost of the mode dominates.
+where the per-op cost of the mode dominates. With --models, also models
+nobody here wrote (benchmarks/thirdparty.py says how to install them):
+torchvision's resnet18 (batch 4 of 3x112x112 images) and a 2-layer GPT-2
+(batch 4 of 64 tokens), under bfloat16 autocast.
 
-    PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T] [--append]
+    PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T] [--models] [--append]
 """
 import argparse
 import os
@@ -27,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import protocol
+import thirdparty
 import torchcast
 
 SIZES = {
@@ -46,9 +50,20 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+MODELS = {
+    # name: what the table says of it
+    "resnet18": "torchvision resnet18, batch 4, 3x112x112",
+    "gpt2": "transformers GPT-2, 2 layers, d 128, batch 4, 64 tokens",
+}
+
+
 def make(size):
-    d, heads, ff, batch, seq = SIZES[size]
     torch.manual_seed(0)
+    if size == "resnet18":
+        return thirdparty.resnet18().train(), torch.randn(4, 3, 112, 112)
+    if size == "gpt2":
+        return thirdparty.gpt2().train(), torch.randint(0, 1000, (4, 64))
+    d, heads, ff, batch, seq = SIZES[size]
     layer = torch.nn.TransformerEncoderLayer(d, heads, ff, dropout=0.1, batch_first=True)
     model = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).train()
     return model, torch.randn(batch, seq, d)
@@ -57,6 +72,7 @@ def make(size):
 def step(model, x, autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(x)
+    out = getattr(out, "logits", out)  # transformers returns a ModelOutput
     out.float().square().mean().backward()
     model.zero_grad(set_to_none=True)
 
@@ -106,6 +122,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "track.md"))
     parser.add_argument("--append", action="store_true", help="add the table to --out")
+    parser.add_argument("--models", action="store_true",
+                        help="also resnet18 and GPT-2 (installed as benchmarks/thirdparty.py says)")
     protocol.add_arguments(parser)
     opts = parser.parse_args()
     run = protocol.Run(opts.force)
@@ -115,21 +133,27 @@ def main():
     # The float32 "small" step is the slowest by far (no bfloat16 matrix units): last.
     configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),
                ("tiny", True, "record"), ("small", False, "record")]
+    if opts.models:
+        if not thirdparty.available():
+            sys.exit("--models: resnet18 and GPT-2 are not installed; see benchmarks/thirdparty.py")
+        configs += [("resnet18", True, "record"), ("gpt2", True, "record")]
     rows = [measure(size, autocast, policy, opts.rounds) for size, autocast, policy in configs]
     lines = [
         f"`{command}` — torch {torch.__version__}, torch.set_num_threads({opts.threads}), "
         f"{opts.rounds} interleaved rounds (order alternating), medians; model: "
-        "nn.TransformerEncoder, 4 layers, train mode, forward + backward; the tracked step "
+        "nn.TransformerEncoder, 4 layers (size: d_model, heads, ff, batch, seq), or as named; "
+        "train mode, forward + backward; the tracked step "
         f"includes entering and leaving track(). {run.summary()}",
         "",
-        "| size (d_model, heads, ff, batch, seq) | precision | policy | ops/step | casts/step "
+        "| model | precision | policy | ops/step | casts/step "
         "| plain step | tracked step | ratio (median) | CPU-time ratio (median) "
         "| overhead per op (median) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['size']} {SIZES[r['size']]} | {r['precision']} | {r['policy']} | {r['ops']} "
+            f"| {r['size']} {SIZES.get(r['size']) or MODELS[r['size']]} | {r['precision']} "
+            f"| {r['policy']} | {r['ops']} "
             f"| {r['casts']} | {r['base_ms']:.1f} ms | {r['ours_ms']:.1f} ms "
             f"| {r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['us_per_op']:.1f} us |")
     table = "\n".join(lines)

@@ -132,13 +132,20 @@ _DISPATCH_FILES = tuple(os.path.join(_TORCH_DIR, p) for p in (
     "_ops.py", "_library" + os.sep, os.path.join("utils", "_python_dispatch.py")))
 
 
+_plumbing = {}
+
+
 def outside_torchcast(frame: Optional[FrameType]) -> Optional[FrameType]:
     """The innermost frame from ``frame`` outwards that is neither
     torchcast's nor torch's dispatcher plumbing (the code whose call reached
     the tracker: the user's, a library's or torch's own Python code)."""
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not (path.startswith(_PKG_DIR) or path.startswith(_DISPATCH_FILES)):
+        filename = frame.f_code.co_filename
+        plumbing = _plumbing.get(filename)
+        if plumbing is None:
+            path = os.path.abspath(filename)
+            plumbing = _plumbing[filename] = path.startswith((_PKG_DIR,) + _DISPATCH_FILES)
+        if not plumbing:
             return frame
         frame = frame.f_back
     return None
