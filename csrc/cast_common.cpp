@@ -3,7 +3,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <functional>
 #include <utility>
 
 namespace torchcast {
@@ -107,11 +110,56 @@ at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y) {
       .build();
 }
 
+namespace {
+
+// NaN has every exponent bit set and a nonzero mantissa: its bits without
+// the sign exceed infinity's. Integer compares that gcc vectorizes, several
+// times faster on the CPU than at::isnan(x).sum() on small tensors.
+template <typename Bits>
+int64_t count_nan_bits(const Bits* bits, int64_t begin, int64_t end, Bits abs_mask, Bits inf) {
+  int64_t count = 0;
+  for (int64_t i = begin; i < end; ++i) count += (bits[i] & abs_mask) > inf;
+  return count;
+}
+
+template <typename Bits>
+int64_t count_nan_dense(const at::Tensor& x, Bits abs_mask, Bits inf) {
+  const auto* bits = static_cast<const Bits*>(x.const_data_ptr());
+  return at::parallel_reduce(
+      0, x.numel(), int64_t{1} << 16, int64_t{0},
+      [&](int64_t begin, int64_t end, int64_t count) {
+        return count + count_nan_bits(bits, begin, end, abs_mask, inf);
+      },
+      std::plus<int64_t>());
+}
+
+}  // namespace
+
 at::Tensor exact_cast_stats(const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf ||
+                       dtype == at::kBFloat16,
+                   "exact_cast_stats: x must be float64, float32, float16 or bfloat16, got ",
+                   dtype_name(dtype));
   auto stats = at::zeros({kNumStats}, x.options().dtype(at::kDouble));
-  stats.select(0, kNumel).fill_(static_cast<double>(x.numel()));
   // NaN passes an exact cast unchanged, and is still news (a NaN gradient
   // widened for the optimizer): counted on the device, without a sync.
+  if (x.is_cpu() && x.is_non_overlapping_and_dense()) {  // one block of numel elements
+    int64_t nan = 0;
+    switch (dtype) {
+      case at::kDouble:
+        nan = count_nan_dense<uint64_t>(x, 0x7fffffffffffffffULL, 0x7ff0000000000000ULL);
+        break;
+      case at::kFloat: nan = count_nan_dense<uint32_t>(x, 0x7fffffffU, 0x7f800000U); break;
+      case at::kHalf: nan = count_nan_dense<uint16_t>(x, 0x7fff, 0x7c00); break;
+      default: nan = count_nan_dense<uint16_t>(x, 0x7fff, 0x7f80); break;  // kBFloat16
+    }
+    auto* values = stats.data_ptr<double>();
+    values[kNumel] = static_cast<double>(x.numel());
+    values[kNan] = static_cast<double>(nan);
+    return stats;
+  }
+  stats.select(0, kNumel).fill_(static_cast<double>(x.numel()));
   stats.select(0, kNan).copy_(at::isnan(x).sum());
   return stats;
 }

@@ -2,8 +2,11 @@
 // backend registers its kernels at the end of its own file (csrc/cpu/*.cpp,
 // csrc/cuda/*.cu), autograd in cast_autograd.cpp.
 #include <Python.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include "cast_common.h"
 #include "numerics.h"
 #include "program_casts.h"
 #include "thread_casts.h"
@@ -44,6 +47,16 @@ PyObject* set_cast_callback(PyObject*, PyObject* callback) {
   Py_RETURN_NONE;
 }
 
+PyObject* exact_cast_stats(PyObject*, PyObject* tensor) {
+  if (!THPVariable_Check(tensor)) {
+    PyErr_SetString(PyExc_TypeError, "exact_cast_stats: expected a tensor");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS  // c10 errors become the Python exceptions torch raises for them
+  return THPVariable_Wrap(torchcast::exact_cast_stats(THPVariable_Unpack(tensor)));
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
   const int tracked = PyObject_IsTrue(flag);
   if (tracked < 0) return nullptr;
@@ -58,6 +71,9 @@ PyMethodDef methods[] = {
     {"set_cast_callback", set_cast_callback, METH_O,
      "Sets callback(src, out), called after every cast in threads no track's dispatch mode "
      "covers; None unsets it (csrc/thread_casts.cpp)."},
+    {"exact_cast_stats", exact_cast_stats, METH_O,
+     "The stats tensor cast_with_stats gives an exact cast of a floating tensor (numel and "
+     "its NaN count), without casting it (csrc/cast_common.cpp)."},
     {"set_thread_tracked", set_thread_tracked, METH_O,
      "Marks this thread as covered by a track's dispatch mode (csrc/thread_casts.cpp)."},
     {nullptr, nullptr, 0, nullptr},

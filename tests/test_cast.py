@@ -922,3 +922,30 @@ def test_out_aliasing_x_or_itself_raises_before_writing(case):
         with pytest.raises(RuntimeError, match="shares memory with x|elements share memory"):
             call(x, dtype, out=out)
         assert torch.equal(x, x_before), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "strided", "empty", "0-d", "large"])
+def test_exact_cast_stats_count_every_nan_bit_pattern(device, dtype, layout):
+    """The NaN count of an exact cast (bit compares on the CPU) against
+    torch.isnan, over NaN payloads of both signs, infinities and the largest
+    finite values, in every layout."""
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(dtype, torch.int16)
+    info = torch.finfo(dtype)
+    specials = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, info.max, -info.max,
+                             info.tiny, 0.0, -0.0], dtype=torch.float64).to(dtype)
+    mantissa_bits = {torch.float64: 52, torch.float32: 23, torch.float16: 10,
+                     torch.bfloat16: 7}[dtype]
+    payloads = (specials[2:3].view(bits) | torch.tensor([1, (1 << mantissa_bits) - 1], dtype=bits))
+    values = torch.cat([specials, payloads.view(dtype), -payloads.view(dtype)])
+    n = (1 << 17) + 5 if layout == "large" else 600  # past a 2^16 chunk: several threads
+    x = values[torch.randint(0, len(values), (n,), generator=torch.Generator().manual_seed(0))]
+    x = {"contiguous": x, "permuted": x[:600].view(20, 30).t(), "strided": x[::3], "empty": x[:0],
+         "0-d": x[0], "large": x}[layout]
+    x = on_device(x, device)
+    stats = _ops.exact_cast_stats(x)
+    assert stats.device == x.device and stats.dtype == torch.float64
+    expected = torch.zeros(len(STAT_FIELDS), dtype=torch.float64)
+    expected[0], expected[1] = x.numel(), torch.isnan(x).sum().item()
+    assert torch.equal(stats.cpu(), expected)
+    assert torch.equal(cast_ref.exact_cast_stats(x.cpu()), expected)

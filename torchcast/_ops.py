@@ -30,6 +30,15 @@ set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
 set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
 
 
+def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
+    """The stats tensor ``cast_with_stats`` gives an exact cast of ``x`` (a
+    float64/32/16 or bfloat16 tensor): numel and its NaN count, without
+    casting it; on x's device, without a sync."""
+    if WITH_EXTENSION:
+        return _C.exact_cast_stats(x)
+    return cast_reference.exact_cast_stats(x)
+
+
 # ---------------------------------------------------------------------------
 # cast_with_stats
 

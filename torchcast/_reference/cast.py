@@ -118,6 +118,14 @@ def check_out(x, dtype, out):
             "overwrite x while it is read; pass an out that does not overlap x (or x.clone())")
 
 
+def exact_cast_stats(x):
+    """The stats of an exact cast of x: numel and the NaN it carries."""
+    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=x.device)
+    stats[0] = x.numel()
+    stats[1] = torch.isnan(x).sum()
+    return stats
+
+
 def cast_with_stats(x, dtype, out=None):
     kind = classify_cast(x.dtype, dtype)
     if out is not None:
@@ -127,8 +135,7 @@ def cast_with_stats(x, dtype, out=None):
     stats[0] = x.numel()
     if kind == "exact":
         y.copy_(x)
-        stats[1] = torch.isnan(x).sum()
-        return y, stats
+        return y, exact_cast_stats(x)
     y.copy_(correctly_rounded(x, dtype))
     xf = iteration_order(x, y)
     back = iteration_order(y, y).to(x.dtype)

@@ -14,9 +14,7 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from ..stats import STAT_FIELDS, merge_stats_tensors, stats_tensor
-
-_NUMEL, _NAN = STAT_FIELDS.index("numel"), STAT_FIELDS.index("nan")
+from ..stats import merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -94,22 +92,6 @@ class MeasuredCast:
     y: Optional[torch.Tensor] = None
 
 
-def exact_stats(src: torch.Tensor, wide: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The stats tensor of an exact cast of ``src``, as the op writes it:
-    numel and the NaN it carries (a NaN gradient widened for the optimizer
-    is still news), on src's device, without a sync.
-
-    Args:
-        src: the tensor cast.
-        wide: its exact cast, when already made: the same NaN, counted
-            faster in a float32 or float64 tensor than in a 16-bit one.
-    """
-    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=src.device)
-    stats[_NUMEL] = src.numel()
-    stats[_NAN] = torch.isnan(src if wide is None else wide).sum()
-    return stats
-
-
 def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor],
                  grad_enabled: bool) -> Optional[MeasuredCast]:
     """Measures casting ``src`` to ``dtype`` as PyTorch does it.
@@ -138,7 +120,7 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
     if s_dt not in _RANK or dtype not in _RANK:
         return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 and other formats
     if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:  # widening (or the real part kept): exact
-        return MeasuredCast(s_dt, dtype, src.numel(), exact_stats(src, t))
+        return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
     stats, differ, y = _measure(src, dtype, t)
     return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y)
 
