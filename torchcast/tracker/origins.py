@@ -33,6 +33,7 @@ _CALL_OPS = frozenset(dis.opmap[n] for n in ("CALL", "CALL_FUNCTION_EX", "CALL_K
 _CACHE = dis.opmap.get("CACHE", -1)
 _NAME_AT_END = re.compile(r"([A-Za-z_]\w*)\s*$")
 _call_names: Dict[Tuple[CodeType, int], Optional[str]] = {}
+_MAX_CACHED = 1 << 16
 _local = threading.local()
 
 
@@ -73,6 +74,8 @@ def call_name(frame: FrameType) -> Optional[str]:
     code, offset = frame.f_code, frame.f_lasti
     key = (code, offset)
     if key not in _call_names:
+        if len(_call_names) >= _MAX_CACHED:  # code made at run time (exec) would pile up
+            _call_names.clear()
         name = None
         # During a call into Python code f_lasti is past the CALL, on its
         # inline cache entries; during a call into C it is the CALL itself.
