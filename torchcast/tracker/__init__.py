@@ -27,6 +27,7 @@ from ..cast import (
 from ..stats import PendingStats
 from ..violations import Violations, ViolationsSpec
 from .measure import MeasuredCast
+from . import compiled
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .report import Record, Report, SiteKey, merge_into
@@ -158,6 +159,8 @@ class track:
         install(self.all_casts)
         add_recorder(recording.record_safe_to)
         if self.all_casts:
+            compiled.warn_uninstrumented()
+            compiled.install()
             push_mode(recording)
         self._recording = recording
         return recording.report
@@ -166,7 +169,10 @@ class track:
         recording, self._recording = self._recording, None
         try:
             if self.all_casts:
-                pop_mode(recording)
+                try:
+                    pop_mode(recording)
+                finally:
+                    compiled.uninstall()
         finally:
             remove_recorder(recording.record_safe_to)
             uninstall(self.all_casts)

@@ -9,7 +9,7 @@ lookup, then the op). A tracked cast returns exactly what PyTorch returns.
 """
 import sys
 import threading
-from typing import Optional, Protocol
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,6 +64,16 @@ class _CastMode(TorchDispatchMode):
         # once (below) does the same at no per-call cost.
         return _eval_frame is None
 
+    @classmethod
+    def ignore_compile_internals(cls):
+        # With the default (False), Dynamo refuses to compile any frame while
+        # the mode is on, and marks each such code object "skip" for good,
+        # so a function first called under track is never compiled, even
+        # after it. True: Dynamo compiles with the mode off and runs the
+        # compiled code with it on. The casts inside an Inductor graph never
+        # reach the dispatcher: compiled.py measures them in the graph.
+        return True
+
     def __init__(self):
         super().__init__()
         self.recorders = []
@@ -107,18 +117,43 @@ def _tracked_cast(recorders, func, args, kwargs):
     # A fresh result can be computed first and measured as it is; copy_ is
     # measured before it writes, so that policy "raise" leaves dst untouched.
     out = func(*args, **kwargs) if dst is None else None
+    report_cast(recorders, src, dtype, out, (module, site.file, site.line, origin, site.via))
+    return func(*args, **kwargs) if out is None else out
+
+
+def report_cast(recorders: Sequence[CastRecorder], src: torch.Tensor, dtype: torch.dtype,
+                out: Optional[torch.Tensor], where: Tuple[Optional[str], str, int, str,
+                                                          Optional[str]]) -> None:
+    """Measures one cast and reports it to ``recorders``, which apply their
+    policy (a violation under "raise" raises here).
+
+    Args:
+        recorders: the active tracks' recorders (``active_recorders()``).
+        src: the tensor cast.
+        dtype: the dtype it was cast to.
+        out: PyTorch's result, when already computed (None: a copy_, whose
+            result is src's values in dtype).
+        where: (module, file, line, origin, via) of the cast.
+    """
     grad_enabled = torch.is_grad_enabled()
     with torch.no_grad():
         cast = measure_cast(src, dtype, out, grad_enabled)
-    if cast is not None:
-        key = (module, site.file, site.line, origin, None, cast.src_dtype, cast.dtype, site.via)
-        pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
-            if cast.stats is not None else None
-        for recorder in recorders:
-            recorder.add_cast(key, cast)
-        for recorder in recorders:
-            recorder.apply_policy(key, cast, pending)
-    return func(*args, **kwargs) if out is None else out
+    if cast is None:
+        return
+    module, file, line, origin, via = where
+    key = (module, file, line, origin, None, cast.src_dtype, cast.dtype, via)
+    pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
+        if cast.stats is not None else None
+    for recorder in recorders:
+        recorder.add_cast(key, cast)
+    for recorder in recorders:
+        recorder.apply_policy(key, cast, pending)
+
+
+def active_recorders() -> List[CastRecorder]:
+    """The recorders of this thread's all_casts tracks (empty outside any)."""
+    mode = getattr(_local, "mode", None)
+    return list(mode.recorders) if mode is not None else []
 
 
 def push_mode(recorder: CastRecorder) -> None:
