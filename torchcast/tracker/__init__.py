@@ -9,7 +9,8 @@ not change under track.
 The package, by concern: sites.py (which file:line a cast comes from),
 modules.py (which module is running, whether a cast is autocast's),
 measure.py (the stats of one cast as PyTorch performs it), mode.py (the
-dispatch mode and the global state it installs), report.py (Record and
+dispatch mode and the global state it installs), compiled.py (the casts
+inside Inductor-compiled graphs), report.py (Record and
 Report: merging, reading, JSON). This module holds track() itself.
 
 The stats stay tensors on the cast's device (merged per site by

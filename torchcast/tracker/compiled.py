@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from itertools import chain
 from typing import Iterator, List, Optional, Tuple
 
@@ -36,12 +37,6 @@ import torch
 from .mode import active_recorders, report_cast
 from .modules import module_within
 from .sites import frames_from, site_of
-
-# torch.compile(module) warns at every call while global module hooks exist
-# that they fire for its wrapper too; track's hooks are made for that
-# (modules.py gives the wrapper and the module one path), so the warning is
-# silenced while a track is active.
-_HOOKS_WARNING = ("ignore", r"Using `torch\.compile\(module\)` when there are global hooks")
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -218,7 +213,6 @@ class _Installed:
         self.count = 0
         self.previous = None
         self.ours = None
-        self.filter = None
 
     def acquire(self) -> None:
         from torch._inductor import config
@@ -229,23 +223,17 @@ class _Installed:
                     [self.previous] if self.previous is not None else []
                 self.ours = [*passes, _cast_pass()] if passes else _cast_pass()
                 config.post_grad_custom_post_pass = self.ours
-                warnings.filterwarnings(*_HOOKS_WARNING)
-                self.filter = warnings.filters[0]
             self.count += 1
 
     def release(self) -> None:
         from torch._inductor import config
         with self.lock:
             self.count -= 1
+            _known_codes.update(_compiled_codes())  # compiled inside the track
             if self.count == 0:
                 if config.post_grad_custom_post_pass is self.ours:  # else the user changed it since
                     config.post_grad_custom_post_pass = self.previous
                 self.previous = self.ours = None
-                try:
-                    warnings.filters.remove(self.filter)
-                except ValueError:  # warnings.resetwarnings() or catch_warnings() since
-                    pass
-                getattr(warnings, "_filters_mutated", lambda: None)()  # as catch_warnings does
 
 
 def _cast_pass():
@@ -268,24 +256,35 @@ def _cast_pass():
 
 
 _installed = _Installed()
-_warned = []
+# Dynamo's compiled code objects already seen at a track's edge (weakly: an
+# id could be reused by code compiled later).
+_known_codes = weakref.WeakSet()
+
+
+def _compiled_codes():
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None:
+        return set()
+    return {code for code in (ref() for ref in convert_frame.output_codes.seen)
+            if code is not None}
 
 
 def warn_uninstrumented() -> None:
-    """Warns once per process, at the entry of a track(all_casts=True), if
-    Dynamo compiled graphs before it: an Inductor graph compiled outside any
-    track runs inside it as it was compiled, its casts unseen."""
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    if _warned or dynamo is None or not dynamo.counters["stats"]["unique_graphs"]:
-        return
-    _warned.append(True)
-    warnings.warn(
-        "torchcast.track: torch.compile compiled graphs before this track. The casts inside "
-        "a graph Inductor compiled outside any track(all_casts=True) are not recorded when "
-        "it runs inside one (Dynamo reuses it as it is; graphs compiled inside a track, and "
-        "those of the \"eager\" and \"aot_eager\" backends, are recorded). Call "
-        "torch.compiler.reset() before the track to have them compiled again, measured.",
-        RuntimeWarning, stacklevel=3)
+    """Warns, at the entry of a track(all_casts=True), if Dynamo compiled
+    code outside any track since the last one was left: an Inductor graph
+    compiled outside a track runs inside it as it was compiled, its casts
+    unseen. (Each compiled code object is warned about once.)"""
+    codes = _compiled_codes()
+    outside = [code for code in codes if code not in _known_codes]
+    _known_codes.update(codes)
+    if outside:
+        warnings.warn(
+            f"torchcast.track: torch.compile compiled {len(outside)} frame(s) outside any "
+            "track(all_casts=True). The casts inside an Inductor graph compiled outside a "
+            "track are not recorded when it runs inside one (Dynamo reuses it as it is; "
+            "graphs compiled inside a track, and those of the \"eager\" and \"aot_eager\" "
+            "backends, are recorded). Call torch.compiler.reset() before the track to have "
+            "them compiled again, measured.", RuntimeWarning, stacklevel=3)
 
 
 def install() -> None:

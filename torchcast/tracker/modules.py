@@ -22,6 +22,7 @@ An unmarked cast while autocast is on is autocast's.
 """
 import bisect
 import threading
+import warnings
 import weakref
 from typing import Callable, Optional, Tuple
 
@@ -87,7 +88,11 @@ def _pre_hook(module, args):
     stack = _stack()
     parent = stack[-1] if stack else None
     if parent is None:
-        names, path = _names_of(module), type(_unwrapped(module)).__name__
+        names = _names_of(module)
+        # A graph module called first is compiled code (the "eager" and
+        # "aot_eager" backends' graph of a compiled function): no module.
+        path = None if isinstance(module, torch.fx.GraphModule) else \
+            type(_unwrapped(module)).__name__
     else:
         names = parent.names
         path = names.get(module)
@@ -115,26 +120,41 @@ def _post_hook(module, args, output):
         stack.pop().end = _sequence_nr()
 
 
-def install_module_hooks() -> Tuple[object, object]:
+# torch.compile(module) warns at every call, while global module hooks
+# exist, that they fire for its wrapper too; these hooks give the wrapper and
+# the module it wraps one path, so the warning is silenced while they are on.
+_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+def install_module_hooks() -> Tuple[object, object, object]:
     """Installs the global forward hooks that keep the module-call stack.
 
     Returns:
         Their handles, for ``remove_module_hooks``.
     """
     mod = torch.nn.modules.module
+    warnings.filterwarnings("ignore", _HOOKS_WARNING)
     return (mod.register_module_forward_pre_hook(_pre_hook),
-            mod.register_module_forward_hook(_post_hook, always_call=True))
+            mod.register_module_forward_hook(_post_hook, always_call=True),
+            warnings.filters[0])
 
 
-def remove_module_hooks(handles: Tuple[object, object]) -> None:
+def remove_module_hooks(handles: Tuple[object, object, object]) -> None:
     """Removes the hooks ``install_module_hooks`` installed and forgets the
     module calls recorded for backward attribution.
 
     Args:
         handles: what ``install_module_hooks`` returned.
     """
-    for handle in handles:
+    *hooks, warning_filter = handles
+    for handle in hooks:
         handle.remove()
+    try:
+        warnings.filters.remove(warning_filter)
+    except ValueError:  # warnings.resetwarnings() or a catch_warnings() exit removed it
+        pass
+    else:
+        getattr(warnings, "_filters_mutated", lambda: None)()  # what catch_warnings calls
     with _calls_lock:
         _calls.clear()
         _call_starts.clear()
