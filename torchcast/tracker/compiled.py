@@ -215,9 +215,12 @@ class _Installed:
         self.ours = None
 
     def acquire(self) -> None:
-        from torch._inductor import config
         with self.lock:
-            if self.count == 0:
+            # Importing Inductor in a process that never compiles costs a
+            # second and leaves threads that abort gloo ranks at exit; a
+            # process that compiles has imported Dynamo (torch.compile does).
+            if self.count == 0 and "torch._dynamo" in sys.modules:
+                from torch._inductor import config
                 self.previous = config.post_grad_custom_post_pass
                 passes = self.previous if isinstance(self.previous, (list, tuple)) else \
                     [self.previous] if self.previous is not None else []
@@ -226,11 +229,11 @@ class _Installed:
             self.count += 1
 
     def release(self) -> None:
-        from torch._inductor import config
         with self.lock:
             self.count -= 1
             _known_codes.update(_compiled_codes())  # compiled inside the track
-            if self.count == 0:
+            if self.count == 0 and self.ours is not None:
+                from torch._inductor import config
                 if config.post_grad_custom_post_pass is self.ours:  # else the user changed it since
                     config.post_grad_custom_post_pass = self.previous
                 self.previous = self.ours = None
