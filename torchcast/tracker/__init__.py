@@ -11,7 +11,8 @@ The package, by concern: sites.py (which file:line a cast comes from),
 modules.py (which module is running, autocast's state), origins.py (the
 program's cast, autocast's or an op's own), measure.py (the stats of one
 cast as PyTorch performs it), mode.py (the dispatch mode and the global
-state it installs), threads.py (other threads, worker processes),
+state it installs), compiled.py (the casts inside Inductor-compiled
+graphs), threads.py (other threads, worker processes),
 report.py (Record and Report: merging, reading, JSON). This module holds
 track() itself.
 
@@ -30,11 +31,13 @@ from ..cast import (
 from ..stats import PendingStats
 from ..violations import Violations, ViolationsSpec
 from .measure import MeasuredCast
+from . import compiled
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
-from .threads import close_spool, open_spool, unwatch_other_threads, watch_other_threads
+from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,
+                      watch_other_threads)
 
 
 class _Recording:
@@ -160,9 +163,13 @@ class track:
                                "one instead: create a new torchcast.track()")
         recording = _Recording(Report(self.rtol, self.atol, self.violations), self.policy,
                                self.rtol, self.atol)
+        if self.all_casts:  # warnings first: one raised as an error leaves nothing installed
+            compiled.warn_uninstrumented()
+            warn_if_threads_unseen()
         install(self.all_casts)
         add_recorder(recording.record_safe_to)
         if self.all_casts:
+            compiled.install()
             push_mode(recording)
             watch_other_threads(recording)
             self._spool = open_spool(recording.report)
@@ -174,7 +181,10 @@ class track:
         try:
             if self.all_casts:
                 unwatch_other_threads(recording)
-                pop_mode(recording)
+                try:
+                    pop_mode(recording)
+                finally:
+                    compiled.uninstall()
         finally:
             remove_recorder(recording.record_safe_to)
             uninstall(self.all_casts)

@@ -10,7 +10,7 @@ lookup, then the op). A tracked cast returns exactly what PyTorch returns.
 import sys
 import threading
 from types import FrameType
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +65,16 @@ class _CastMode(TorchDispatchMode):
         # overhead; marking the handler's code object skipped, recursively,
         # once (below) does the same at no per-call cost.
         return _eval_frame is None
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        # With the default (False), Dynamo refuses to compile any frame while
+        # the mode is on, and marks each such code object "skip" for good,
+        # so a function first called under track is never compiled, even
+        # after it. True: Dynamo compiles with the mode off and runs the
+        # compiled code with it on. The casts inside an Inductor graph never
+        # reach the dispatcher: compiled.py measures them in the graph.
+        return True
 
     def __init__(self):
         super().__init__()
@@ -157,6 +167,12 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
         recorder.add_cast(key, cast)
     for recorder in recorders:
         recorder.apply_policy(key, cast, pending)
+
+
+def active_recorders() -> List[CastRecorder]:
+    """The recorders of this thread's all_casts tracks (empty outside any)."""
+    mode = getattr(_local, "mode", None)
+    return list(mode.recorders) if mode is not None else []
 
 
 def push_mode(recorder: CastRecorder) -> None:

@@ -22,6 +22,7 @@ An unmarked cast while autocast is on is autocast's.
 """
 import bisect
 import threading
+import warnings
 import weakref
 from typing import Optional, Tuple
 
@@ -67,25 +68,52 @@ def _stack():
     return stack
 
 
+_WRAPPER = "_orig_mod"  # torch.compile(module) wraps module as OptimizedModule._orig_mod
+
+
+def _unwrapped(module):
+    """The module a torch.compile wrapper (OptimizedModule) holds, else module."""
+    inner = getattr(module, _WRAPPER, None)
+    return inner if isinstance(inner, torch.nn.Module) else module
+
+
 def _names_of(root):
     names = _names_cache.get(root)
     if names is None:
         names = {}
         for path, module in root.named_modules(remove_duplicate=False):
-            names.setdefault(module, path)
+            # A compiled submodule is the module it wraps: its path has no
+            # "_orig_mod" component, and the wrapper and the wrapped share it.
+            names.setdefault(module, ".".join(p for p in path.split(".") if p != _WRAPPER))
         del names[root]  # a value referring to its weak key would keep it alive
         _names_cache[root] = names
     return names
 
 
 def _pre_hook(module, args):
+    # Dynamo traces these hooks into every compiled module call; what they do
+    # (thread-local stacks, a lock, the autograd sequence number) would break
+    # the graph. Compiled casts get their module from the graph (compiled.py).
+    if torch.compiler.is_compiling():
+        return
     stack = _stack()
     parent = stack[-1] if stack else None
     if parent is None:
-        names, path = _names_of(module), type(module).__name__
+        names = _names_of(module)
+        # A graph module called first is compiled code (the "eager" and
+        # "aot_eager" backends' graph of a compiled function): no module.
+        path = None if isinstance(module, torch.fx.GraphModule) else \
+            type(_unwrapped(module)).__name__
     else:
         names = parent.names
-        path = names.get(module) or f"{parent.path}/{type(module).__name__}"
+        path = names.get(module)
+        if path == "" or (path is None and isinstance(module, torch.fx.GraphModule)):
+            # The module a compiled root wraps is the root itself; a graph
+            # module that is not a child is compiled code (the "eager" and
+            # "aot_eager" backends run one) standing for its caller.
+            path = parent.path
+        elif path is None:
+            path = f"{parent.path}/{type(module).__name__}"
     call = _Call(path, names, _sequence_nr(), parent, id(module), _epoch)
     stack.append(call)
     with _calls_lock:
@@ -96,12 +124,20 @@ def _pre_hook(module, args):
 
 
 def _post_hook(module, args, output):
+    if torch.compiler.is_compiling():
+        return
     stack = _stack()
     if stack and stack[-1].module_id == id(module):
         stack.pop().end = _sequence_nr()
 
 
-def install_module_hooks() -> Tuple[object, object]:
+# torch.compile(module) warns at every call, while global module hooks
+# exist, that they fire for its wrapper too; these hooks give the wrapper and
+# the module it wraps one path, so the warning is silenced while they are on.
+_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+def install_module_hooks() -> Tuple[object, object, object]:
     """Installs the global forward hooks that keep the module-call stack.
 
     Returns:
@@ -110,19 +146,28 @@ def install_module_hooks() -> Tuple[object, object]:
     global _epoch
     _epoch += 1
     mod = torch.nn.modules.module
+    warnings.filterwarnings("ignore", _HOOKS_WARNING)
     return (mod.register_module_forward_pre_hook(_pre_hook),
-            mod.register_module_forward_hook(_post_hook, always_call=True))
+            mod.register_module_forward_hook(_post_hook, always_call=True),
+            warnings.filters[0])
 
 
-def remove_module_hooks(handles: Tuple[object, object]) -> None:
+def remove_module_hooks(handles: Tuple[object, object, object]) -> None:
     """Removes the hooks ``install_module_hooks`` installed and forgets the
     module calls recorded for backward attribution.
 
     Args:
         handles: what ``install_module_hooks`` returned.
     """
-    for handle in handles:
+    *hooks, warning_filter = handles
+    for handle in hooks:
         handle.remove()
+    try:
+        warnings.filters.remove(warning_filter)
+    except ValueError:  # warnings.resetwarnings() or a catch_warnings() exit removed it
+        pass
+    else:
+        getattr(warnings, "_filters_mutated", lambda: None)()  # what catch_warnings calls
     with _calls_lock:
         _calls.clear()
         _call_starts.clear()
@@ -135,6 +180,16 @@ def current_module() -> Optional[str]:
     return stack[-1].path if stack else None
 
 
+def _call_of_node(node):
+    seq = node._sequence_nr()
+    with _calls_lock:
+        i = bisect.bisect_right(_call_starts, seq) - 1
+        call = _calls[i] if i >= 0 else None
+    while call is not None and not (call.start <= seq and (call.end is None or seq < call.end)):
+        call = call.parent
+    return call
+
+
 def module_of_node(node: torch.autograd.graph.Node) -> Optional[str]:
     """The path of the module whose forward created autograd node ``node``.
 
@@ -144,13 +199,35 @@ def module_of_node(node: torch.autograd.graph.Node) -> Optional[str]:
     Returns:
         The module path, or None if no tracked forward created it.
     """
-    seq = node._sequence_nr()
-    with _calls_lock:
-        i = bisect.bisect_right(_call_starts, seq) - 1
-        call = _calls[i] if i >= 0 else None
-    while call is not None and not (call.start <= seq and (call.end is None or seq < call.end)):
-        call = call.parent
+    call = _call_of_node(node)
     return call.path if call is not None else None
+
+
+def module_within(path: str, node: Optional[torch.autograd.graph.Node] = None) -> Optional[str]:
+    """The path, as ``current_module`` and ``module_of_node`` write it, of
+    the module at ``path`` below a running module: where a compiled graph's
+    cast happened, the graph knowing only the path inside the compiled module.
+
+    Args:
+        path: the path below the running module ("" for the module itself).
+        node: in backward, the autograd node running (the compiled graph's):
+            the running module is the one whose forward created it; None:
+            the module this thread is running.
+
+    Returns:
+        The module path; ``path`` (None if empty) outside any tracked forward.
+    """
+    if node is not None:
+        call = _call_of_node(node)
+    else:
+        stack = getattr(_local, "stack", None)
+        call = stack[-1] if stack else None
+    if call is None:
+        return path or None
+    if not path:
+        return call.path
+    # The outermost module's children are named without it, as current_module does.
+    return path if call.parent is None else f"{call.path}.{path}"
 
 
 # ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ casts its own result again, the op's implementation does.
 """
 import dis
 import linecache
+import os
 import re
 import threading
 import weakref
@@ -68,15 +69,26 @@ def _callee(segment: str) -> Optional[str]:
     return None
 
 
+# Code that runs compiled graphs (torch.compile's eager and aot_eager
+# backends, FX graph modules): the call it makes is the graph's, which may be
+# the program's cast, so its name says nothing about who cast.
+_GRAPH_RUNNERS = tuple(os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), p, "")
+                       for p in ("_functorch", "_dynamo", "_inductor", "fx"))
+
+
 def call_name(frame: FrameType) -> Optional[str]:
     """The name of the function ``frame`` is calling now (None: not a call,
-    or its source is not available)."""
+    its source is not available, or the frame runs a compiled graph)."""
     code, offset = frame.f_code, frame.f_lasti
     key = (code, offset)
     if key not in _call_names:
         if len(_call_names) >= _MAX_CACHED:  # code made at run time (exec) would pile up
             _call_names.clear()
         name = None
+        if code.co_filename.startswith("<eval_with_key>") or \
+                os.path.abspath(code.co_filename).startswith(_GRAPH_RUNNERS):
+            _call_names[key] = None
+            return None
         # During a call into Python code f_lasti is past the CALL, on its
         # inline cache entries; during a call into C it is the CALL itself.
         while offset > 0 and code.co_code[offset] == _CACHE:

@@ -10,7 +10,7 @@ directories given to ``set_library_dirs``."""
 import os
 import sysconfig
 from types import FrameType
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -22,6 +22,9 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # optim, reduce, demo, ...) is walked past, to the user's frame that called it.
 _OWN_MODULES = frozenset(("cast.py", "_ops.py", "stats.py", "nn.py", "_reference"))
 _USER, _SKIP, _OWN, _LIBRARY = 0, 1, 2, 3
+# Code no one wrote: frozen imports, and torch.fx's generated graph code
+# (a compiled graph run by the "eager" and "aot_eager" backends).
+_GENERATED = ("<frozen", "<eval_with_key>")
 _file_kinds = {}
 
 
@@ -82,7 +85,7 @@ def _file_kind(filename: str) -> int:
         if path.startswith(_PKG_DIR):
             first = path[len(_PKG_DIR):].split(os.sep, 1)[0]
             kind = _OWN if first in _OWN_MODULES else _SKIP
-        elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
+        elif path.startswith(_TORCH_DIR) or filename.startswith(_GENERATED):
             kind = _SKIP
         elif path.startswith(_library_dirs):
             kind = _LIBRARY
@@ -90,6 +93,13 @@ def _file_kind(filename: str) -> int:
             kind = _USER
         _file_kinds[filename] = kind
     return kind
+
+
+def frames_from(frame: Optional[FrameType]) -> Iterator[Tuple[str, int]]:
+    """(file, line) of ``frame`` and each frame that called it, innermost first."""
+    while frame is not None:
+        yield frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
 
 
 def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Site]:
@@ -107,19 +117,24 @@ def user_site(frame: Optional[FrameType], skip_own: bool) -> Optional[Site]:
         library frame when only library frames are; None when torchcast's
         own code did the cast and ``skip_own`` is false.
     """
+    return site_of(frames_from(frame), skip_own)
+
+
+def site_of(frames: Iterable[Tuple[str, int]], skip_own: bool) -> Optional[Site]:
+    """``user_site`` for a call stack given as (file, line) pairs, innermost
+    first (a compiled graph's recorded stack, then the frames running it)."""
     library = None
-    while frame is not None:
-        kind = _file_kind(frame.f_code.co_filename)
+    for filename, lineno in frames:
+        kind = _file_kind(filename)
         if kind == _USER:
             via = f"{short_path(library[0])}:{library[1]}" if library else None
-            return Site(frame.f_code.co_filename, frame.f_lineno, via)
+            return Site(filename, lineno, via)
         if kind == _LIBRARY:
             if library is None:
-                library = (frame.f_code.co_filename, frame.f_lineno)
-            outermost = (frame.f_code.co_filename, frame.f_lineno)
+                library = (filename, lineno)
+            outermost = (filename, lineno)
         elif kind == _OWN and not skip_own:
             return None
-        frame = frame.f_back
     if library is not None:
         return Site(outermost[0], outermost[1],
                     None if outermost == library else f"{short_path(library[0])}:{library[1]}")

@@ -51,17 +51,22 @@ def _other_thread_cast(src: torch.Tensor, out: torch.Tensor) -> None:
 _warned_threads = False
 
 
+def warn_if_threads_unseen() -> None:
+    """Says once, in a build without the compiled extension, that other
+    threads' casts are not recorded."""
+    global _warned_threads
+    if _ops.set_cast_callback is None and not _warned_threads:
+        _warned_threads = True
+        warnings.warn("torchcast was installed without its compiled extension: "
+                      "track(all_casts=True) records the casts of the thread that entered "
+                      "it (and of processes forked from it), not of other threads.",
+                      RuntimeWarning, stacklevel=3)
+
+
 def watch_other_threads(recorder: CastRecorder) -> None:
     """Reports the casts of every thread without a track's dispatch mode to
     ``recorder`` until ``unwatch_other_threads(recorder)``."""
-    global _warned_threads
     if _ops.set_cast_callback is None:
-        if not _warned_threads:
-            _warned_threads = True
-            warnings.warn("torchcast was installed without its compiled extension: "
-                          "track(all_casts=True) records the casts of the thread that entered "
-                          "it (and of processes forked from it), not of other threads.",
-                          RuntimeWarning, stacklevel=3)
         return
     with _lock:
         _recorders.append(recorder)
