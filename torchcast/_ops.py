@@ -18,14 +18,17 @@ from .stats import STAT_FIELDS
 _ops = torch.ops.torchcast
 WITH_EXTENSION = _C is not None
 WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
+# The tracker's kernels on aten::_to_copy (registered by the extension only: a
+# Python kernel there receives the wrapped Python numbers of expressions like
+# `t - 1` as ints, and cannot pass them on as the tensors they were).
 # in_program_cast(): whether this thread is inside a cast the program asked
 # for while autocast is on (one that passed aten::_to_copy's autocast keys,
-# which autocast's own casts bypass): csrc/program_casts.cpp.
-in_program_cast = _C.in_program_cast if WITH_EXTENSION else _python_ops.in_program_cast
+# which autocast's own casts bypass): csrc/program_casts.cpp; always False
+# without the extension.
+in_program_cast = _C.in_program_cast if WITH_EXTENSION else (lambda: False)
 # set_cast_callback(callback or None): callback(src, out) is called after every
 # cast in a thread that no track's dispatch mode covers (set_thread_tracked):
-# csrc/thread_casts.cpp. None in a build without the extension (a Python
-# kernel there would receive wrapped Python numbers, not tensors).
+# csrc/thread_casts.cpp. None without the extension.
 set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
 set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
 

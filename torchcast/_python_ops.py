@@ -7,7 +7,6 @@ bit, so results do not change; only speed does, and the first call says so
 once."""
 import os
 import sys
-import threading
 import warnings
 
 import torch
@@ -96,35 +95,4 @@ def _cast_backward(ctx, grad_y, grad_stats):
 
 torch.library.register_autograd("torchcast::cast_with_stats", _cast_backward,
                                 setup_context=_cast_setup_context)
-
-
-# aten::_to_copy at the autocast keys, as csrc/program_casts.cpp: counts per
-# thread the casts the program asks for under autocast, then redispatches
-# below autocast. Registered once, at import, and never removed (destroying a
-# kernel while other threads dispatch through it crashes them).
-_AUTOCAST_KEYS = [getattr(torch._C.DispatchKey, name) for name in
-                  ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastMPS")
-                  if hasattr(torch._C.DispatchKey, name)]
-_TO_COPY = torch.ops.aten._to_copy.default
-_program_casts = threading.local()
-
-
-def _program_to_copy(keyset, *args, **kwargs):
-    _program_casts.depth = getattr(_program_casts, "depth", 0) + 1
-    try:
-        for key in _AUTOCAST_KEYS:
-            keyset = keyset.remove(key)
-        return _TO_COPY.redispatch(keyset, *args, **kwargs)
-    finally:
-        _program_casts.depth -= 1
-
-
-def in_program_cast():
-    """Whether this thread is inside a cast the program asked for under autocast."""
-    return getattr(_program_casts, "depth", 0) != 0
-
-
-_aten_lib = torch.library.Library("aten", "IMPL")
-for _key in _AUTOCAST_KEYS:
-    _aten_lib.impl("_to_copy", _program_to_copy, _key.name, with_keyset=True)
 

@@ -59,7 +59,8 @@ def warn_if_threads_unseen() -> None:
         _warned_threads = True
         warnings.warn("torchcast was installed without its compiled extension: "
                       "track(all_casts=True) records the casts of the thread that entered "
-                      "it (and of processes forked from it), not of other threads.",
+                      "it (and of processes forked from it), not of other threads, and "
+                      "under autocast it labels the program's own casts as autocast's.",
                       RuntimeWarning, stacklevel=3)
 
 
