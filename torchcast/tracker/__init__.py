@@ -49,10 +49,17 @@ class _Recording:
         self.policy, self.rtol, self.atol = policy, rtol, atol
         self.kinds = report.kinds
         self.warned = set()
+        self.spool = None  # where a forked worker leaves its records (threads.py)
+
+    def _in_worker(self):
+        spool = self.spool
+        if spool is not None and spool.in_worker and spool.worker is None:
+            spool.note_worker()
 
     # -- safe_to's recorder (cast.add_recorder) ------------------------------------
     def record_safe_to(self, pending: PendingStats, name: Optional[str]) -> None:
         """Records a safe_to at the user's line that called it."""
+        self._in_worker()
         site = user_site(sys._getframe(1), skip_own=True)
         key = (current_module(), site.file, site.line, "safe_to", name, pending.src_dtype,
                pending.dtype, site.via)
@@ -61,6 +68,7 @@ class _Recording:
     # -- the dispatch mode's recorder (mode.CastRecorder) --------------------------
     def add_cast(self, key: SiteKey, cast: MeasuredCast) -> None:
         """Records a cast PyTorch performed, at site ``key``."""
+        self._in_worker()
         merge_into(self.report, key, cast.stats, measured=cast.measured,
                    numel=0 if cast.stats is not None else cast.numel,
                    graph_cuts=int(cast.graph_cut), imag=cast.imag,
@@ -172,7 +180,7 @@ class track:
             compiled.install()
             push_mode(recording)
             watch_other_threads(recording)
-            self._spool = open_spool(recording.report)
+            self._spool = recording.spool = open_spool(recording.report)
         self._recording = recording
         return recording.report
 

@@ -93,12 +93,20 @@ class WorkerSpool:
     def __init__(self, report: Report):
         self.report = report
         self.path: Optional[str] = None
+        self.in_worker = False  # set in a forked process
+        self.worker: Optional[int] = None
+
+    def note_worker(self) -> None:
+        """In a forked process, while it records: notes its DataLoader worker
+        id (torch clears it before the process's exit functions run)."""
+        info = torch.utils.data.get_worker_info()
+        self.worker = info.id if info is not None else os.getpid()
 
     def _flush(self) -> None:
         records = self.report.to_dict()["records"]
         if not records or self.path is None:
             return
-        label = f"worker {_worker_id()}"
+        label = f"worker {self.worker if self.worker is not None else os.getpid()}"
         for record in records:
             record["origin"] = f"{record['origin']} [{label}]"
         target = os.path.join(self.path, f"{os.getpid()}.json")
@@ -153,6 +161,7 @@ def _before_fork() -> None:
 def _after_fork_in_child() -> None:
     for spool in _spools:
         spool.report.clear()  # the parent's records stay the parent's
+        spool.in_worker = True
 
 
 def _flush_at_exit(spool: WorkerSpool) -> None:
@@ -163,8 +172,3 @@ def _flush_at_exit(spool: WorkerSpool) -> None:
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
-
-
-def _worker_id() -> Optional[int]:
-    info = torch.utils.data.get_worker_info()
-    return info.id if info is not None else os.getpid()
