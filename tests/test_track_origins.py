@@ -97,3 +97,42 @@ def test_the_call_a_frame_executes():
     frame = sys._getframe()
     name = call_name(frame); here = name  # noqa: E702
     assert here == "call_name"
+
+
+class UpcastInAutocast(torch.nn.Module):
+    """x.float() @ w.float() inside autocast: the matmul is still bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
+
+    def forward(self, x):
+        return x.float() @ self.w.float()
+
+
+@pytest.mark.skipif(not torchcast._ops.WITH_EXTENSION,
+                    reason="the program's casts under autocast are marked by the compiled "
+                           "extension's kernel; a build without it labels them autocast's")
+def test_an_upcast_autocast_undoes_is_one_finding():
+    model, x = UpcastInAutocast(), torch.randn(4, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torchcast.track(all_casts=True) as report:
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    ((up, back),) = report.undone_upcasts()
+    assert (up.origin, up.src_dtype, up.dtype) == ("cast", torch.bfloat16, torch.float32)
+    assert (back.origin, back.src_dtype, back.dtype) == ("autocast", torch.float32,
+                                                         torch.bfloat16)
+    assert up.line == back.line and up.module == back.module == "UpcastInAutocast"
+    last = str(report).splitlines()[-1]
+    assert last.startswith(up.site) and "has no effect under autocast" in last
+    # the same upcasts outside autocast are no such thing
+    with torchcast.track(all_casts=True) as plain:
+        model(x)
+    assert plain.undone_upcasts() == [] and "no effect" not in str(plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        audit = torchcast.audit(model, (x,))
+    undone = audit.of_kind("undone_upcast")
+    assert len(undone) == 1 and undone[0].severity == "warning"
+    assert "enabled=False" in undone[0].fix
+    assert not [f for f in audit.findings if f.kind == "rounding" and f.where == up.site]

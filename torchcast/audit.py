@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .stats import short_dtype_name
 from .tracker import Report, track
 from .tracker.modules import autocast_on, current_module
+from .tracker.report import undone_upcast_message
 from .violations import STRICT
 
 _SEVERITIES = ("error", "warning", "info")
@@ -26,7 +27,8 @@ class Finding:
         kind (str): what was found: "mixed_dtypes", "mixed_devices",
             "optimizer_state", "optimizer_params", "input_dtype",
             "input_device", "target_dtype", "graph_cut", "imag_dropped",
-            "lossy_cast", "rounding", or "forward_error", "loss_error",
+            "lossy_cast", "rounding", "undone_upcast" (a manual upcast that
+            autocast casts back at the same line), or "forward_error", "loss_error",
             "backward_error" for an exception in that phase.
         severity (str): "error" (fails, or computes something else than
             meant), "warning" (loses precision or time) or "info" (expected
@@ -287,10 +289,16 @@ class _InputCheck:
 
 
 def _cast_findings(report):
-    found = []
+    found = [Finding("undone_upcast", "warning", up.site, undone_upcast_message(up) + ".",
+                     "torch.autocast(device_type, enabled=False) around the region (and drop the "
+                     "manual casts autocast undoes)")
+             for up, _ in report.undone_upcasts()]
+    undone = {key for up, back in report.undone_upcasts() for key in (up.key, back.key)}
     for r in report.records:
         s = r.stats
         violations = r.violations(report.rtol, report.atol, report.kinds)
+        if r.key in undone and not violations:  # said once, above
+            continue
         if not violations and not (r.measured and s.inexact):
             continue
         src, dst = short_dtype_name(r.src_dtype), short_dtype_name(r.dtype)

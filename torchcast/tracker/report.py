@@ -118,6 +118,14 @@ class Record:
         }
 
 
+def undone_upcast_message(up: Record) -> str:
+    """What to say of a program's upcast that autocast undoes at its line."""
+    src, dst = short_dtype_name(up.src_dtype), short_dtype_name(up.dtype)
+    return (f"this upcast {src}->{dst} has no effect under autocast, which casts the op's "
+            f"inputs back to {src} at the same line; wrap the region in "
+            "torch.autocast(..., enabled=False) to compute it in " + dst)
+
+
 def _dtype_from_str(name):
     dtype = getattr(torch, name.replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype):
@@ -206,6 +214,27 @@ class Report:
         and kinds."""
         return [r for r in self.records if r.violations(self.rtol, self.atol, self.kinds)]
 
+    def undone_upcasts(self) -> List[Tuple[Record, Record]]:
+        """The program's upcasts that autocast undoes at the same line: a
+        ``cast`` A -> B (``x.float()``) and an ``autocast`` B -> A in the same
+        module and line (``x.float() @ w.float()`` under bfloat16 autocast:
+        the matmul runs in bfloat16 all the same).
+
+        Returns:
+            (the program's cast, autocast's cast) pairs.
+        """
+        records = self.records
+        autocasts = {(r.module, r.file, r.line, r.src_dtype, r.dtype): r
+                     for r in records if r.origin == "autocast"}
+        pairs = []
+        for r in records:
+            if r.origin != "cast" or r.dtype is None or r.src_dtype is None:
+                continue
+            back = autocasts.get((r.module, r.file, r.line, r.dtype, r.src_dtype))
+            if back is not None and r.dtype.itemsize > r.src_dtype.itemsize:
+                pairs.append((r, back))
+        return pairs
+
     def __len__(self) -> int:
         return len(self._sites)
 
@@ -251,6 +280,8 @@ class Report:
             lines.append("  ".join(cells).rstrip())
         if len(shown) < len(records):
             lines.append(f"... {len(records) - len(shown)} more sites")
+        for up, back in self.undone_upcasts():
+            lines.append(f"{up.site}: {undone_upcast_message(up)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
