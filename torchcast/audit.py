@@ -28,7 +28,8 @@ class Finding:
             "optimizer_state", "optimizer_params", "input_dtype",
             "input_device", "target_dtype", "graph_cut", "imag_dropped",
             "lossy_cast", "rounding", "undone_upcast" (a manual upcast that
-            autocast casts back at the same line), or "forward_error", "loss_error",
+            autocast casts back at the same line), "promotion" (an op whose
+            float64 operand made its result float64), or "forward_error", "loss_error",
             "backward_error" for an exception in that phase.
         severity (str): "error" (fails, or computes something else than
             meant), "warning" (loses precision or time) or "info" (expected
@@ -298,6 +299,15 @@ def _cast_findings(report):
         s = r.stats
         violations = r.violations(report.rtol, report.atol, report.kinds)
         if r.key in undone and not violations:  # said once, above
+            continue
+        if r.origin.startswith("promotion"):
+            found.append(Finding(
+                "promotion", "warning", r.site,
+                f"{r.origin}: float64 and {short_dtype_name(r.src_dtype)} operands, "
+                f"{r.calls} calls, {s.numel} result elements in float64.",
+                "make the float64 operand (often a target or a constant from numpy) "
+                f"{short_dtype_name(r.src_dtype)} where it is created, e.g. "
+                f"torch.as_tensor(array, dtype=torch.{short_dtype_name(r.src_dtype)})."))
             continue
         if not violations and not (r.measured and s.inexact):
             continue

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _ops
 from ..stats import PendingStats
+from .diagnose import note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
@@ -32,6 +33,7 @@ _COPY = aten.copy.default
 # __hash__ is Python code, too slow to run for every op.
 _CAST_IDS = frozenset(map(id, (_TO_COPY, _COPY_, _COPY)))
 _OpOverload = torch._ops.OpOverload
+_Tensor, _FLOAT64 = torch.Tensor, torch.float64
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor) pass through
 
 _local = threading.local()
@@ -83,13 +85,37 @@ class _CastMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if id(func) in _CAST_IDS:
             return _tracked_cast(self.recorders, func, args, kwargs or {})
-        if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
-            return func._op(*args, **kwargs) if kwargs else func._op(*args)
-        return func(*args, **(kwargs or {}))
+        try:  # free unless the op raises
+            if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
+                out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+            else:
+                out = func(*args, **(kwargs or {}))
+        except RuntimeError as error:
+            note_dtype_mismatch(func, args, kwargs or {}, error, sys._getframe(1))
+            raise
+        if type(out) is _Tensor and out.dtype is _FLOAT64:
+            _record_promotion(self.recorders, func, args, out)
+        return out
 
 
 if _eval_frame is not None:
     _eval_frame.set_code_exec_strategy(_CastMode.__torch_dispatch__.__code__, _SKIP_RECURSIVELY)
+
+
+def _record_promotion(recorders, func, args, out):
+    """Records an op whose float64 result came from float64 and narrower
+    floating operands (diagnose.py), at origin "promotion (op)"."""
+    narrow = promoted_operands(args)
+    if narrow is None or torch.compiler.is_compiling():
+        return
+    where = locate_cast(sys._getframe(2), out, copy=False)
+    if where is None:
+        return
+    key = (where.module, where.site.file, where.site.line, f"promotion ({op_name(func)})", None,
+           narrow, torch.float64, where.site.via)
+    promotion = MeasuredCast(narrow, torch.float64, out.numel(), measured=False)
+    for recorder in recorders:
+        recorder.add_cast(key, promotion)
 
 
 def _tracked_cast(recorders, func, args, kwargs):

@@ -269,6 +269,10 @@ class Report:
             notes = [n for n in r.notes(self.kinds) if n.split()[-1] not in _LOSS_COLUMNS]
             if r.double_rounded:
                 notes.append(f"{r.double_rounded} double-rounded by torch")
+            if r.origin.startswith("promotion"):
+                notes.append(f"a float64 operand made the result float64: the "
+                             f"{short_dtype_name(r.src_dtype)} operands were computed on in "
+                             "float64")
             rows.append((r.site, r.origin, str(r.calls),
                          f"{short_dtype_name(r.src_dtype)}->{short_dtype_name(r.dtype)}",
                          str(s.numel), *losses, flagged, "; ".join(notes)))
