@@ -30,7 +30,7 @@ import threading
 import warnings
 import weakref
 from itertools import chain
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
