@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include "all_finite.h"
 #include "cast_common.h"
 #include "numerics.h"
 #include "program_casts.h"
@@ -57,6 +58,16 @@ PyObject* exact_cast_stats(PyObject*, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* all_finite(PyObject*, PyObject* tensor) {
+  if (!THPVariable_Check(tensor)) {
+    PyErr_SetString(PyExc_TypeError, "all_finite: expected a tensor");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  return PyBool_FromLong(torchcast::all_finite(THPVariable_Unpack(tensor)));
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
   const int tracked = PyObject_IsTrue(flag);
   if (tracked < 0) return nullptr;
@@ -74,6 +85,8 @@ PyMethodDef methods[] = {
     {"exact_cast_stats", exact_cast_stats, METH_O,
      "The stats tensor cast_with_stats gives an exact cast of a floating tensor (numel and "
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
+    {"all_finite", all_finite, METH_O,
+     "Whether every element of a CPU tensor is finite (csrc/cpu/all_finite.cpp)."},
     {"set_thread_tracked", set_thread_tracked, METH_O,
      "Marks this thread as covered by a track's dispatch mode (csrc/thread_casts.cpp)."},
     {nullptr, nullptr, 0, nullptr},

@@ -15,7 +15,8 @@ __all__ = [
 ]
 
 # track() records the casts a program makes; audit() checks a model's casts with it.
-from .tracker import Record, Report, track  # noqa: E402
+from .tracker import NonFiniteError, NonFiniteWarning, Record, Report, track  # noqa: E402
 from .audit import AuditReport, Finding, audit  # noqa: E402
 
-__all__ += ["AuditReport", "Finding", "Record", "Report", "audit", "track"]
+__all__ += ["AuditReport", "Finding", "NonFiniteError", "NonFiniteWarning", "Record", "Report",
+            "audit", "track"]

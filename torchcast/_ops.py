@@ -31,6 +31,9 @@ in_program_cast = _C.in_program_cast if WITH_EXTENSION else (lambda: False)
 # csrc/thread_casts.cpp. None without the extension.
 set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
 set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
+# all_finite(t): whether every element of a CPU tensor is finite, read in C++
+# (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
+all_finite = _C.all_finite if WITH_EXTENSION else (lambda t: bool(torch.isfinite(t).all()))
 
 
 def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""``python -m torchcast track [--json FILE] [--policy P] [--violations KINDS] [--top N]
-SCRIPT.py [ARGS...]``: runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
+"""``python -m torchcast track [--json FILE] [--policy P] [--violations KINDS]
+[--nonfinite ACTION] [--top N] SCRIPT.py [ARGS...]``: runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
 prints the report (to stderr) when the script ends, also when it raises or
 calls sys.exit. The exit code is the script's (1 if it raised). ``audit`` is
 another name for the same command."""
@@ -41,6 +41,9 @@ def build_parser():
                         help="which losses are violations, each with the fraction of a cast's "
                              f"elements above which it counts (default {DEFAULT!r}; 'all'; "
                              f"kinds: {', '.join(KINDS)}; e.g. 'overflow,nan,subnormal>1%%')")
+    parser.add_argument("--nonfinite", choices=("record", "warn", "raise"),
+                        help="also check every op for NaN/inf made from finite inputs: list "
+                             "each such op, warn once per place, or stop at the first one")
     parser.add_argument("--top", type=int, metavar="N",
                         help="print only the N worst sites")
     parser.add_argument("script", metavar="SCRIPT.py")
@@ -100,7 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))
     code = 0
     try:
-        with track(all_casts=True, policy=opts.policy, violations=opts.violations) as report:
+        with track(all_casts=True, policy=opts.policy, violations=opts.violations,
+                   nonfinite=opts.nonfinite) as report:
             try:
                 runpy.run_path(opts.script, run_name="__main__")
             except SystemExit as e:

@@ -34,6 +34,7 @@ from .measure import MeasuredCast
 from . import compiled
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
+from .nonfinite import NonFiniteError, NonFiniteOrigin, NonFiniteWarning, NonFiniteWatch, check_action
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
 from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,
@@ -50,6 +51,7 @@ class _Recording:
         self.kinds = report.kinds
         self.warned = set()
         self.spool = None  # where a forked worker leaves its records (threads.py)
+        self.watch = None  # the non-finite watch of track(nonfinite=...)
 
     def _in_worker(self):
         spool = self.spool
@@ -146,6 +148,16 @@ class track:
             Default ``"overflow,underflow>1%,graph_cut,imag_dropped"``:
             what breaks training. The other losses (subnormal results, NaN
             passing through a cast) are listed as notes.
+        nonfinite: None (default), "record", "warn" or "raise": check every
+            aten op the block runs in this thread, forward and backward,
+            casts included, and report each op that makes NaN or ±inf from
+            finite inputs (``report.nonfinite``, ``report.first_nonfinite``;
+            "warn" warns once per place, NonFiniteWarning; "raise" raises
+            ``torchcast.NonFiniteError`` at the first). Ops whose inputs
+            already held NaN/inf are counted (``report.propagated``). On the
+            CPU each op's output is read once; on a GPU the flags stay on
+            the device and are read every 256 ops and at exit ("raise":
+            after every op). Ops inside torch.compile'd graphs are not seen.
 
     Returns (on entry):
         The Report the block's casts are recorded into; read it after the
@@ -154,7 +166,8 @@ class track:
 
     def __init__(self, all_casts: bool = False, *, policy: Optional[str] = None,
                  rtol: Optional[float] = None, atol: Optional[float] = None,
-                 violations: ViolationsSpec = None):
+                 violations: ViolationsSpec = None, nonfinite: Optional[str] = None):
+        self.nonfinite = check_action(nonfinite)
         if policy is not None:
             check_policy(policy)
         rtol = check_tolerance(rtol, "rtol", "torchcast.track")
@@ -181,12 +194,18 @@ class track:
             push_mode(recording)
             watch_other_threads(recording)
             self._spool = recording.spool = open_spool(recording.report)
+        if self.nonfinite is not None:
+            recording.watch = recording.report.nonfinite_watch = NonFiniteWatch(self.nonfinite)
+            push_mode(watch=recording.watch)
         self._recording = recording
         return recording.report
 
     def __exit__(self, *exc: Any) -> bool:
         recording, self._recording = self._recording, None
         try:
+            if recording.watch is not None:
+                pop_mode(watch=recording.watch)
+                recording.watch.flush()
             if self.all_casts:
                 unwatch_other_threads(recording)
                 try:
@@ -202,4 +221,5 @@ class track:
         return False
 
 
-__all__ = ["Record", "Report", "library_dirs", "set_library_dirs", "track"]
+__all__ = ["NonFiniteError", "NonFiniteOrigin", "NonFiniteWarning", "Record", "Report",
+           "library_dirs", "set_library_dirs", "track"]

@@ -1,11 +1,13 @@
 """The dispatch mode of track(all_casts=True), and the global state that
 tracking installs.
 
-One TorchDispatchMode per thread, shared by nested all_casts tracks, sees
+One TorchDispatchMode per thread, shared by nested tracks, sees
 ``aten._to_copy`` (``Tensor.to``, ``.float()``, ``.half()``, ``.type()``,
 ``torch.as_tensor``/``torch.tensor`` with a dtype, autocast's casts) and
-``aten.copy_``/``aten.copy``; every other op takes the fast path (an id()
-lookup, then the op). A tracked cast returns exactly what PyTorch returns.
+``aten.copy_``/``aten.copy`` for the all_casts tracks (its recorders); every
+other op takes the fast path (an id() lookup, then the op) unless a track
+watches for non-finite results (its watches, nonfinite.py), which check
+every op. A tracked cast returns exactly what PyTorch returns.
 """
 import sys
 import threading
@@ -19,6 +21,7 @@ from .. import _ops
 from ..stats import PendingStats
 from .diagnose import note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
+from .nonfinite import NonFiniteWatch, inputs_nonfinite
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
 from .origins import made_by_autocast, origin_of
@@ -81,9 +84,12 @@ class _CastMode(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.recorders = []
+        self.watches = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if id(func) in _CAST_IDS:
+        if self.watches:
+            return _watched_op(self, func, args, kwargs or {})
+        if id(func) in _CAST_IDS and self.recorders:
             return _tracked_cast(self.recorders, func, args, kwargs or {})
         try:  # free unless the op raises
             if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
@@ -100,6 +106,36 @@ class _CastMode(TorchDispatchMode):
 
 if _eval_frame is not None:
     _eval_frame.set_code_exec_strategy(_CastMode.__torch_dispatch__.__code__, _SKIP_RECURSIVELY)
+
+
+_mutates = {}
+
+
+def _watched_op(mode, func, args, kwargs):
+    """Runs one op for a mode with non-finite watches: the op as the fast path
+    or the cast path would, then each watch's check of its result (an in-place
+    op's inputs are read before it overwrites them)."""
+    if torch.compiler.is_compiling():
+        return func(*args, **kwargs)
+    mutates = _mutates.get(id(func))
+    if mutates is None:
+        mutates = _mutates[id(func)] = bool(getattr(func, "_schema", None)
+                                            and func._schema.is_mutable)
+    inputs_bad = inputs_nonfinite(args, kwargs) if mutates else None
+    if id(func) in _CAST_IDS and mode.recorders:
+        out = _tracked_cast(mode.recorders, func, args, kwargs)
+    else:
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as error:
+            note_dtype_mismatch(func, args, kwargs, error, sys._getframe(1))
+            raise
+        if mode.recorders and type(out) is _Tensor and out.dtype is _FLOAT64:
+            _record_promotion(mode.recorders, func, args, out)
+    frame = sys._getframe(1)
+    for watch in mode.watches:
+        watch.after_op(func, args, kwargs, out, inputs_bad, frame)
+    return out
 
 
 def _record_promotion(recorders, func, args, out):
@@ -201,25 +237,33 @@ def active_recorders() -> List[CastRecorder]:
     return list(mode.recorders) if mode is not None else []
 
 
-def push_mode(recorder: CastRecorder) -> None:
+def push_mode(recorder: Optional[CastRecorder] = None,
+              watch: Optional[NonFiniteWatch] = None) -> None:
     """Reports every cast PyTorch performs in this thread to ``recorder``
-    (entering the thread's dispatch mode if it is the first), until
-    ``pop_mode(recorder)``."""
+    and every op's result to ``watch`` (entering the thread's dispatch mode
+    if it is the first), until ``pop_mode`` with the same arguments."""
     mode = getattr(_local, "mode", None)
     if mode is None:
         mode = _local.mode = _CastMode()
         mode.__enter__()
-        _ops.set_thread_tracked(True)
-    mode.recorders.append(recorder)
+    if recorder is not None:
+        mode.recorders.append(recorder)
+    if watch is not None:
+        mode.watches.append(watch)
+    _ops.set_thread_tracked(bool(mode.recorders))
 
 
-def pop_mode(recorder: CastRecorder) -> None:
-    """Undoes ``push_mode(recorder)``; the last one exits the mode."""
+def pop_mode(recorder: Optional[CastRecorder] = None,
+             watch: Optional[NonFiniteWatch] = None) -> None:
+    """Undoes ``push_mode(recorder, watch)``; the last one exits the mode."""
     mode = _local.mode
-    mode.recorders.remove(recorder)
-    if not mode.recorders:
+    if recorder is not None:
+        mode.recorders.remove(recorder)
+    if watch is not None:
+        mode.watches.remove(watch)
+    _ops.set_thread_tracked(bool(mode.recorders))
+    if not mode.recorders and not mode.watches:
         _local.mode = None
-        _ops.set_thread_tracked(False)
         mode.__exit__(None, None, None)
 
 

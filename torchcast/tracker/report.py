@@ -11,6 +11,7 @@ import torch
 
 from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_name
 from ..violations import Violations, ViolationsSpec
+from .nonfinite import NonFiniteOrigin, NonFiniteWatch
 from .sites import short_path
 
 # (module, file, line, origin, name, src_dtype, dtype, via): casts with the
@@ -176,6 +177,7 @@ class Report:
                  violations: ViolationsSpec = None):
         self.rtol, self.atol = rtol, atol
         self.kinds = Violations(violations)
+        self.nonfinite_watch: Optional[NonFiniteWatch] = None
         self._sites = {}
         self._lock = threading.Lock()
 
@@ -235,6 +237,32 @@ class Report:
                 pairs.append((r, back))
         return pairs
 
+    @property
+    def nonfinite(self) -> List[NonFiniteOrigin]:
+        """The ops that made NaN/inf from finite inputs, in the order they
+        happened (``track(nonfinite=...)``; empty without it)."""
+        watch = self.nonfinite_watch
+        if watch is None:
+            return []
+        watch.flush()
+        with watch.lock:
+            return list(watch.origins.values())
+
+    @property
+    def first_nonfinite(self) -> Optional[NonFiniteOrigin]:
+        """The first op that made NaN/inf from finite inputs, or None."""
+        origins = self.nonfinite
+        return origins[0] if origins else None
+
+    @property
+    def propagated(self) -> int:
+        """How many op calls made NaN/inf only because an input held some."""
+        watch = self.nonfinite_watch
+        if watch is None:
+            return 0
+        watch.flush()
+        return watch.propagated
+
     def __len__(self) -> int:
         return len(self._sites)
 
@@ -251,13 +279,14 @@ class Report:
             A summary line, then one line per site.
         """
         records = self.records
+        lines = _nonfinite_lines(self)
         shown = records if limit is None else records[:limit]
         bad = sum(1 for r in records if r.violations(self.rtol, self.atol, self.kinds))
         calls = sum(r.calls for r in records)
         head = (f"torchcast.track: {len(records)} cast sites, {calls} casts, "
                 f"{bad} with violations (worst first)")
         if not records:
-            return head
+            return "\n".join(lines or [head])
         rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
                  "violations", "notes")]
         for r in shown:
@@ -277,7 +306,7 @@ class Report:
                          f"{short_dtype_name(r.src_dtype)}->{short_dtype_name(r.dtype)}",
                          str(s.numel), *losses, flagged, "; ".join(notes)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = [head]
+        lines.append(head)
         for row in rows:
             cells = [c.ljust(w) if i in (0, 1, 3, len(row) - 2, len(row) - 1) else c.rjust(w)
                      for i, (c, w) in enumerate(zip(row, widths))]
@@ -307,8 +336,12 @@ class Report:
             record = r.to_dict()
             record["violations"] = r.violations(self.rtol, self.atol, self.kinds)
             records.append(record)
-        return {"format": "torchcast.track.Report", "version": 1, "rtol": self.rtol,
+        data = {"format": "torchcast.track.Report", "version": 1, "rtol": self.rtol,
                 "atol": self.atol, "violations": str(self.kinds), "records": records}
+        if self.nonfinite_watch is not None:
+            data["nonfinite"] = [o.to_dict() for o in self.nonfinite]
+            data["propagated"] = self.propagated
+        return data
 
     def to_json(self, **kwargs: Any) -> str:
         """``to_dict()`` as strict JSON.
@@ -333,6 +366,12 @@ class Report:
                              f"(format={data.get('format')!r})")
         report = cls(data.get("rtol"), data.get("atol"), data.get("violations"))
         report.merge_records(data["records"])
+        if "nonfinite" in data:
+            watch = report.nonfinite_watch = NonFiniteWatch("record")
+            watch.propagated = data.get("propagated", 0)
+            for d in data["nonfinite"]:
+                origin = NonFiniteOrigin.from_dict(d)
+                watch.origins[origin.key] = origin
         return report
 
     @classmethod
@@ -389,6 +428,19 @@ class Report:
         for records in gathered:
             self.merge_records(records)
         return self
+
+
+def _nonfinite_lines(report: Report) -> List[str]:
+    """The table's opening lines on non-finite origins (none without a watch)."""
+    if report.nonfinite_watch is None:
+        return []
+    origins = report.nonfinite
+    lines = [f"torchcast.track: {len(origins)} ops made NaN/inf from finite inputs "
+             f"(in order), {report.propagated} op calls passed NaN/inf on"]
+    for o in origins:
+        calls = f" [{o.count} calls]" if o.count > 1 else ""
+        lines.append(f"  {o.describe()}{calls}")
+    return lines
 
 
 def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, measured: bool,

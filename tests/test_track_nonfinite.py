@@ -1,0 +1,277 @@
+"""track(nonfinite=...): the op that first makes NaN/inf, forward and backward.
+
+Each origin is checked against what the test knows independently: which op
+and line made it, numpy's NaN/inf counts of that op's output, float64
+reruns of the op."""
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import torchcast
+from torchcast.tracker import nonfinite
+
+LINE = {}
+
+
+def _mark(name):
+    """The line of the caller, under ``name`` (the lines the origins must name)."""
+    LINE[name] = sys._getframe(1).f_lineno
+
+
+class Wide(torch.nn.Module):
+    """A float16 Linear whose output overflows float16 (weights up to 625)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(64, 256)
+        with torch.no_grad():
+            self.fc.weight.mul_(5000)
+
+    def forward(self, x):
+        _mark("fc"); y = self.fc(x)  # noqa: E702
+        return y
+
+
+def log_score(x):
+    _mark("log"); return torch.log(x - 1.0)  # noqa: E702  (NaN where x < 1)
+
+
+class Scorer(torch.nn.Module):
+    def forward(self, x):
+        return log_score(x).sum()
+
+
+def _counts(t):
+    a = t.detach().double().numpy()
+    return int(np.isnan(a).sum()), int(np.isposinf(a).sum()), int(np.isneginf(a).sum())
+
+
+def test_forward_overflow_in_float16_linear():
+    model = Wide().half()
+    x = torch.randn(4, 64).half() * 10
+    with torchcast.track(nonfinite="record") as report:
+        y = model(x)
+        y.float().softmax(-1).sum()
+    origin = report.first_nonfinite
+    assert origin is not None and len(report.nonfinite) == 1
+    assert (origin.op, origin.module, origin.phase, origin.line) == \
+        ("aten::addmm", "fc", "forward", LINE["fc"])
+    assert origin.file == __file__ and origin.via is None
+    assert origin.dtype == torch.float16
+    assert (origin.nan, origin.posinf, origin.neginf) == _counts(y)
+    assert [i.dtype for i in origin.inputs] == [torch.float16] * 3
+    assert sorted(i.amax for i in origin.inputs)[-1] == float(model.fc.weight.detach().abs().max())
+    exact = (x.double() @ model.fc.weight.detach().double().T + model.fc.bias.detach().double()).abs().max()
+    assert float(exact) > 65504
+    assert "float16's range overflowed" in origin.note
+    assert report.propagated >= 1  # the upcast and softmax of the inf row
+    assert "aten::addmm made" in str(report)
+
+
+def test_nan_from_log_of_a_negative_in_a_user_function():
+    x = torch.tensor([[2.0, 0.5, 3.0], [1.5, 4.0, 0.25]], requires_grad=True)
+    with torchcast.track(nonfinite="record") as report:
+        loss = Scorer()(x)
+        loss.backward()
+    origins = report.nonfinite
+    assert origins[0].op == "aten::log" and origins[0].line == LINE["log"]
+    assert origins[0].phase == "forward" and origins[0].module == "Scorer"  # the root, by class
+    assert origins[0].nan == 2 and origins[0].posinf == origins[0].neginf == 0
+    assert "non-finite in float64 too" in origins[0].note
+    # log's backward (grad / (x - 1)) is finite: everything else only propagated the NaN.
+    assert all(o.phase == "forward" for o in origins)
+    assert torch.isnan(loss)
+
+
+def test_overflow_only_in_backward():
+    model = Wide().half()
+    with torch.no_grad():
+        model.fc.weight.div_(40)  # forward stays finite
+    x = (torch.randn(4, 64) * 0.01).half().requires_grad_()
+    with torchcast.track(nonfinite="record") as report:
+        y = model(x)
+        assert torch.isfinite(y).all()
+        _mark("backward"); (y * 3000).sum().backward()  # noqa: E702
+    origin = report.first_nonfinite
+    assert origin.phase == "backward" and origin.node == "AddmmBackward0"
+    assert origin.module == "fc" and origin.op == "aten::mm"
+    assert origin.line == LINE["backward"]
+    assert torch.isinf(x.grad).any()
+    # the mm of the incoming gradient and the weight, in float64:
+    grad_in = torch.full((4, 256), 3000.0, dtype=torch.float64) @ model.fc.weight.double()
+    assert float(grad_in.abs().max()) > 65504
+    assert (origin.nan, origin.posinf, origin.neginf) == _counts(x.grad)
+
+
+def test_raise_names_the_op_and_stops_there():
+    model = Wide().half()
+    x = torch.randn(4, 64).half() * 10
+    with pytest.raises(torchcast.NonFiniteError) as info:
+        with torchcast.track(nonfinite="raise"):
+            model(x)
+    e = info.value
+    assert isinstance(e, RuntimeError)
+    assert (e.op, e.module, e.phase, e.line) == ("aten::addmm", "fc", "forward", LINE["fc"])
+    assert "aten::addmm made" in str(e) and "fc" in str(e)
+
+
+def test_raise_in_backward():
+    model = Wide().half()
+    with torch.no_grad():
+        model.fc.weight.div_(40)
+    x = (torch.randn(4, 64) * 0.01).half().requires_grad_()
+    with pytest.raises(torchcast.NonFiniteError) as info:
+        with torchcast.track(nonfinite="raise"):
+            (model(x) * 3000).sum().backward()
+    assert info.value.phase == "backward" and info.value.node == "AddmmBackward0"
+
+
+def test_warn_once_per_place():
+    x = torch.tensor([0.5, 2.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torchcast.track(nonfinite="warn") as report:
+            for _ in range(3):
+                log_score(x)
+    found = [w for w in caught if issubclass(w.category, torchcast.NonFiniteWarning)]
+    assert len(found) == 1 and found[0].lineno == LINE["log"] and found[0].filename == __file__
+    assert report.first_nonfinite.count == 3
+
+
+def test_nonfinite_inputs_only_propagate():
+    x = torch.tensor([1.0, float("nan"), 3.0])
+    with torchcast.track(nonfinite="record") as report:
+        (x * 2).exp().sum()
+        scores = torch.zeros(3, 3).masked_fill(torch.ones(3, 3).triu(1).bool(), float("-inf"))
+        scores.softmax(-1)
+    assert report.nonfinite == []
+    assert report.propagated == 4  # mul, exp, sum; masked_fill of a Python -inf
+
+
+def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin():
+    scores = torch.randn(2, 3)
+    scores[0] = float("-inf")
+    with torchcast.track(nonfinite="record") as report:
+        out = scores.softmax(-1)
+    assert torch.isnan(out[0]).all() and report.nonfinite == [] and report.propagated == 1
+
+
+def test_in_place_op_reads_its_inputs_before_overwriting_them():
+    x = torch.full((5,), 1e30)
+    with torchcast.track(nonfinite="record") as report:
+        x.mul_(1e10)
+        x.mul_(2)  # inf * 2: propagation
+    origin = report.first_nonfinite
+    assert origin.op == "aten::mul_" and origin.posinf == 5
+    assert report.propagated == 1
+
+
+def test_overflowing_cast_is_an_origin():
+    x = torch.tensor([1.0, 7e4, -1e5])
+    with torchcast.track(nonfinite="record") as report:
+        x.half()
+    origin = report.first_nonfinite
+    assert origin.op == "aten::_to_copy" and (origin.posinf, origin.neginf) == (1, 1)
+    assert "65504" in origin.note
+
+
+def test_all_casts_and_nonfinite_together():
+    x = torch.tensor([1.0, 7e4])
+    with torchcast.track(all_casts=True, policy="record", nonfinite="record") as report:
+        x.half()
+    assert len(report.records) == 1 and report.records[0].stats.overflow == 1
+    assert report.first_nonfinite.op == "aten::_to_copy"
+
+
+def test_without_nonfinite_nothing_is_checked():
+    with torchcast.track(all_casts=True) as report:
+        torch.log(torch.tensor([-1.0]))
+    assert report.nonfinite == [] and report.first_nonfinite is None and report.propagated == 0
+    assert "NaN/inf" not in str(report)
+
+
+def test_program_behaviour_is_unchanged():
+    model = Wide().half()
+    x = torch.randn(4, 64).half() * 10
+    plain = model(x)
+    with torchcast.track(nonfinite="record"):
+        watched = model(x)
+    assert torch.equal(plain.isnan(), watched.isnan())
+    assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(watched))
+
+
+def test_deferred_flags_path(monkeypatch):
+    """The GPU path (flags on the device, read in batches), run on the CPU."""
+    monkeypatch.setattr(nonfinite, "checked_at_once", lambda device: False)
+    monkeypatch.setattr(nonfinite, "PENDING_LIMIT", 4)
+    model = Wide().half()
+    x = torch.randn(4, 64).half() * 10
+    with torchcast.track(nonfinite="record") as report:
+        y = model(x)
+        y.float().softmax(-1).sum()
+        z = torch.full((3,), 1e30)
+        z.mul_(1e10)
+    origins = report.nonfinite
+    assert [o.op for o in origins] == ["aten::addmm", "aten::mul_"]
+    assert origins[0].line == LINE["fc"] and origins[0].module == "fc"
+    assert (origins[0].nan, origins[0].posinf, origins[0].neginf) == _counts(y)
+    assert report.propagated >= 1
+    with pytest.raises(torchcast.NonFiniteError):
+        with torchcast.track(nonfinite="raise"):
+            model(x)
+
+
+def test_json_round_trip():
+    with torchcast.track(nonfinite="record") as report:
+        log_score(torch.tensor([0.5, 2.0]))
+    data = json.loads(report.to_json())
+    assert data["nonfinite"][0]["op"] == "aten::log" and data["propagated"] == 0
+    back = torchcast.Report.from_json(report.to_json())
+    assert back.first_nonfinite == report.first_nonfinite
+
+
+def test_bad_action():
+    with pytest.raises(ValueError, match="nonfinite must be"):
+        torchcast.track(nonfinite="stop")
+
+
+def test_compiled_function_still_compiles_and_runs():
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+
+    @torch.compile(backend="eager")
+    def f(x):
+        return torch.log(x) * 2
+
+    try:
+        with torchcast.track(nonfinite="record"):
+            out = f(torch.tensor([1.0, -1.0]))
+        assert torch.isnan(out[1])
+        assert counts["stats"]["unique_graphs"] >= 1
+    finally:
+        torch._dynamo.reset()  # later tests' tracks warn about frames compiled outside them
+
+
+def test_cli_nonfinite_raise(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        w = torch.full((8, 8), 300.0, dtype=torch.float16)
+        x = torch.full((2, 8), 30.0, dtype=torch.float16)
+        h = x @ w
+        print("not reached")
+    """))
+    run = subprocess.run([sys.executable, "-m", "torchcast", "track", "--nonfinite", "raise",
+                          str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert "not reached" not in run.stdout
+    assert "NonFiniteError" in run.stderr and "aten::mm made 16 +inf" in run.stderr
+    assert "train.py:4" in run.stderr

@@ -1,0 +1,342 @@
+"""track(nonfinite=...): the ops that first make NaN or ±inf.
+
+The dispatch mode (mode.py) hands every aten op a watched track runs, forward
+and backward, casts included, to ``NonFiniteWatch.after_op``. An op whose
+floating output holds NaN or ±inf while every floating input (and every
+Python float argument) was finite is an *origin*; one whose inputs already
+held NaN/inf only propagates them, and is counted, not reported.
+
+On the CPU each op is checked as it returns (``_ops.all_finite``: a read of
+the output; the inputs are read only when the output is non-finite, or
+before an in-place op). On other devices the check must not synchronize per
+op: each op leaves two flags on its device, with what is needed to describe
+it, and the flags are read once per ``PENDING_LIMIT`` ops and at the block's
+exit (under "raise", once per op: raising at the op needs its answer).
+
+An origin names the op, the module (for backward, the module whose forward
+made the autograd node), the phase, the user's line and the library frame,
+the output's NaN/+inf/-inf counts, each floating input's dtype, shape and
+amax, and what the op gives when run again in a wider dtype: whether the
+narrow dtype's range was the problem.
+"""
+import dataclasses
+import math
+import threading
+import warnings
+from types import FrameType
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import _ops
+from .diagnose import op_name
+from .modules import current_module, module_of_node
+from .sites import short_path, user_site
+
+ACTIONS = ("raise", "record", "warn")
+PENDING_LIMIT = 256
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Ops whose outputs are uninitialized memory (any bits, NaN among them) or
+# that only relabel their input's memory.
+_UNCHECKED = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                        "resize_", "set_", "detach", "alias", "lift_fresh"))
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+          torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32,
+          torch.float32: torch.float64}
+
+
+class NonFiniteWarning(UserWarning):
+    """An op made NaN or ±inf from finite inputs (``track(nonfinite="warn")``)."""
+
+
+@dataclasses.dataclass
+class InputInfo:
+    """A floating input of a non-finite origin."""
+
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    amax: float  # the largest |x| (its inputs are finite at an origin)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"dtype": str(self.dtype), "shape": list(self.shape), "amax": self.amax}
+
+
+@dataclasses.dataclass
+class NonFiniteOrigin:
+    """An op that produced NaN or ±inf from finite inputs.
+
+    ``module`` is the running module's path in forward and, in backward, the
+    path of the module whose forward made the autograd node (``node``, e.g.
+    "AddmmBackward0"). ``file``/``line`` are the user's frame (in backward,
+    the line that started it, such as ``loss.backward()``), ``via`` the
+    library frame it came through. ``nan``, ``posinf``, ``neginf`` count the
+    first call's output; ``count`` how many calls at this place were origins.
+    ``note`` says what the op gives in a wider dtype.
+    """
+
+    op: str
+    module: Optional[str]
+    phase: str
+    node: Optional[str]
+    file: str
+    line: int
+    via: Optional[str]
+    dtype: torch.dtype
+    nan: int
+    posinf: int
+    neginf: int
+    inputs: List[InputInfo]
+    note: str
+    count: int = 1
+
+    @property
+    def key(self) -> tuple:
+        return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via)
+
+    def describe(self) -> str:
+        """One paragraph: what, where, and why."""
+        where = f"{short_path(self.file)}:{self.line}" + (f" via {self.via}" if self.via else "")
+        module = f" in {self.module}" if self.module else ""
+        phase = (f"backward ({self.node}, of{module or ' no tracked module'}'s forward)"
+                 if self.phase == "backward" else f"forward{module}")
+        found = ", ".join(f"{n} {what}" for n, what in
+                          ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
+        inputs = "; ".join(f"{_short(i.dtype)}{list(i.shape)} amax {i.amax:.4g}"
+                           for i in self.inputs) or "no floating tensor inputs"
+        return (f"{self.op} made {found} in its {_short(self.dtype)} output from finite "
+                f"inputs, {phase}, at {where}. Inputs: {inputs}. {self.note}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready values (dtypes as strings)."""
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.dtype)
+        d["inputs"] = [i.to_dict() for i in self.inputs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "NonFiniteOrigin":
+        d = dict(d)
+        d["dtype"] = _dtype_from_str(d["dtype"])
+        d["inputs"] = [InputInfo(_dtype_from_str(i["dtype"]), tuple(i["shape"]), i["amax"])
+                       for i in d["inputs"]]
+        return cls(**d)
+
+
+class NonFiniteError(RuntimeError):
+    """The first op that made NaN or ±inf from finite inputs
+    (``track(nonfinite="raise")``). ``origin`` is its NonFiniteOrigin; its
+    fields are also attributes of the error (``error.op``, ``error.module``)."""
+
+    def __init__(self, origin: NonFiniteOrigin):
+        super().__init__(origin.describe())
+        self.origin = origin
+
+    def __getattr__(self, name):
+        if name == "origin":
+            raise AttributeError(name)
+        return getattr(self.origin, name)
+
+
+def _short(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _dtype_from_str(name):
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def _floating(t):
+    return type(t) in _PLAIN_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
+
+
+def _bad(values: Sequence[Any]) -> bool:
+    """Whether any floating tensor or Python float among ``values`` is non-finite
+    (CPU tensors only)."""
+    for v in values:
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return True
+        elif isinstance(v, torch.Tensor) and _floating(v):
+            if not (_ops.all_finite(v) if v.device.type == "cpu" else bool(torch.isfinite(v).all())):
+                return True
+    return False
+
+
+def inputs_nonfinite(args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
+    """Whether an op's inputs hold NaN/inf, read before an in-place op
+    overwrites them: a bool for CPU tensors, else a bool tensor on their
+    device (no sync)."""
+    values = tree_flatten((args, kwargs))[0]
+    device = next((v.device for v in values
+                   if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+    return _bad(values) if device is None else _device_flag(values, device)
+
+
+def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """A bool tensor on ``device``: whether any value is non-finite, without a sync."""
+    flags = [~torch.isfinite(v).all() for v in values if isinstance(v, torch.Tensor) and _floating(v)]
+    scalar_bad = any(isinstance(v, float) and not math.isfinite(v) for v in values)
+    flag = torch.stack([f.to(device) for f in flags]).any() if flags else \
+        torch.zeros((), dtype=torch.bool, device=device)
+    return flag | scalar_bad
+
+
+def _amax(t: torch.Tensor) -> float:
+    return float(t.detach().abs().max()) if t.numel() else 0.0
+
+
+def _wider_note(func, args, kwargs, out: torch.Tensor) -> str:
+    """What the op gives when its narrow floating inputs are widened."""
+    dtype = out.dtype
+    wider = _WIDER.get(dtype)
+    if wider is None:
+        return ""
+    name = op_name(func)
+    if name in ("_to_copy", "copy_", "copy"):
+        src = args[1] if name != "_to_copy" else args[0]
+        return (f"A cast to {_short(dtype)} of values up to {_amax(src):.4g}; "
+                f"{_short(dtype)}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
+
+    def widen(a):
+        if isinstance(a, torch.Tensor) and a.dtype == dtype:
+            return a.detach().to(wider)
+        return a
+    try:
+        with torch.no_grad():
+            again = func(*tree_map(widen, args), **tree_map(widen, kwargs))
+    except Exception:  # the op may not take the wider dtype: then there is nothing to tell
+        return ""
+    again = [t for t in tree_flatten(again)[0] if isinstance(t, torch.Tensor) and _floating(t)]
+    if not again or any(t.dtype == dtype for t in again):
+        return ""
+    if all(bool(torch.isfinite(t).all()) for t in again):
+        amax = max(_amax(t) for t in again)
+        limit = torch.finfo(dtype).max
+        if amax > limit:
+            return (f"In {_short(wider)} the result is finite with amax {amax:.4g}, above "
+                    f"{_short(dtype)}'s largest {limit:.6g}: {_short(dtype)}'s range overflowed.")
+        return (f"In {_short(wider)} the result is finite (amax {amax:.4g}): an intermediate "
+                f"inside the op overflowed {_short(dtype)}.")
+    return (f"The result is non-finite in {_short(wider)} too: not a matter of "
+            f"{_short(dtype)}'s range (a log or sqrt of a negative number, 0/0, inf - inf).")
+
+
+class NonFiniteWatch:
+    """The non-finite origins of one track (``nonfinite=`` "raise", "record"
+    or "warn"), in the order they happened."""
+
+    def __init__(self, action: str):
+        self.action = action
+        self.origins: Dict[tuple, NonFiniteOrigin] = {}
+        self.propagated = 0
+        self.lock = threading.Lock()
+        self.pending: List[tuple] = []  # non-CPU ops awaiting their flags' reading
+        self.warned = set()
+
+    # -- per op -------------------------------------------------------------------
+    def after_op(self, func, args: tuple, kwargs: dict, out: Any,
+                 inputs_bad: Union[None, bool, torch.Tensor], frame: Optional[FrameType]) -> None:
+        """Checks one op's outputs; records (or raises for) an origin.
+
+        Args:
+            func: the op (an OpOverload).
+            args, kwargs: its arguments.
+            out: what it returned.
+            inputs_bad: ``inputs_nonfinite`` before an in-place op ran, else None.
+            frame: the frame the dispatch mode was called from.
+        """
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _floating(t)]
+        if not outs or op_name(func) in _UNCHECKED or getattr(func, "is_view", False):
+            return
+        device = outs[0].device
+        if checked_at_once(device):
+            if not any(not _ops.all_finite(t) for t in outs):
+                return
+            if inputs_bad is None:
+                inputs_bad = _bad(tree_flatten((args, kwargs))[0])
+            if bool(inputs_bad):
+                with self.lock:
+                    self.propagated += 1
+                return
+            self._found(func, args, kwargs, outs, frame, _where(frame))
+            return
+        out_bad = _device_flag(outs, device)
+        in_bad = (_device_flag(tree_flatten((args, kwargs))[0], device) if inputs_bad is None
+                  else torch.as_tensor(inputs_bad).to(device))
+        entry = (func, args, kwargs, outs, _where(frame), torch.stack([out_bad, in_bad]))
+        if self.action == "raise":
+            self._settle([entry])
+            return
+        with self.lock:
+            self.pending.append(entry)
+            full = len(self.pending) >= PENDING_LIMIT
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reads the flags of the ops awaiting them (one sync per device)."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        if pending:
+            self._settle(pending)
+
+    def _settle(self, entries):
+        flags = torch.stack([e[5].cpu() for e in entries]).tolist()
+        for (func, args, kwargs, outs, where, _), (out_bad, in_bad) in zip(entries, flags):
+            if not out_bad:
+                continue
+            if in_bad:
+                with self.lock:
+                    self.propagated += 1
+                continue
+            self._found(func, args, kwargs, outs, None, where)
+
+    # -- an origin ----------------------------------------------------------------
+    def _found(self, func, args, kwargs, outs, frame, where):
+        module, phase, node, site = where
+        out = next(t for t in outs if not bool(torch.isfinite(t).all()))
+        inputs = [InputInfo(t.dtype, tuple(t.shape), _amax(t))
+                  for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and _floating(t)]
+        with torch.no_grad():
+            nan, posinf, neginf = (int(torch.isnan(out).sum()), int(torch.isposinf(out).sum()),
+                                   int(torch.isneginf(out).sum()))
+        origin = NonFiniteOrigin(
+            op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
+            file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,
+            posinf=posinf, neginf=neginf, inputs=inputs, note=_wider_note(func, args, kwargs, out))
+        with self.lock:
+            known = self.origins.get(origin.key)
+            if known is not None:
+                known.count += 1
+                return
+            self.origins[origin.key] = origin
+        if self.action == "raise":
+            raise NonFiniteError(origin)
+        if self.action == "warn" and origin.key not in self.warned:
+            self.warned.add(origin.key)
+            warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
+
+
+def checked_at_once(device: torch.device) -> bool:
+    """Whether an op's result on ``device`` is read as the op returns (the
+    CPU) rather than from flags read later."""
+    return device.type == "cpu"
+
+
+def _where(frame: Optional[FrameType]):
+    """(module, phase, autograd node name, Site) of the op running now."""
+    node = torch._C._current_autograd_node()
+    site = user_site(frame, skip_own=True)
+    if node is not None:
+        return module_of_node(node), "backward", node.name(), site
+    return current_module(), "forward", None, site
+
+
+def check_action(nonfinite: Optional[str]) -> Optional[str]:
+    """``nonfinite`` as track() takes it: None or one of ACTIONS."""
+    if nonfinite is not None and nonfinite not in ACTIONS:
+        raise ValueError(f"torchcast.track: nonfinite must be None or one of {ACTIONS}, "
+                         f"got {nonfinite!r}")
+    return nonfinite
