@@ -81,7 +81,8 @@ from torchcast import _ops
 assert torchcast.__file__.startswith(__import__("os").getcwd()), torchcast.__file__
 assert _ops.WITH_CUDA, "torchcast._C was built without its CUDA kernels"
 for name in ("torchcast::cast_with_stats", "torchcast::cast_with_stats.out",
-             "torchcast::adam_step_", "torchcast::kahan_sum", "torchcast::kahan_mean"):
+             "torchcast::adam_step_", "torchcast::kahan_sum", "torchcast::kahan_mean",
+             "torchcast::tensor_health"):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
 print("   torchcast CUDA build imported:", torchcast._C.__file__,
       "| GPU present:", torch.cuda.is_available())

@@ -23,7 +23,7 @@ CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 
 // Checks a preallocated output for cast_with_stats.out: dtype, shape, device,
 // and that out overlaps neither itself nor x. (Autograd is refused by the
-// Autograd kernel, cast_autograd.cpp.)
+// Autograd kernel, autograd.cpp.)
 void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out);
 
 // False when t's strides prove that no two elements share memory: each

@@ -1,6 +1,6 @@
 // The op schemas and the Python module that loading torchcast._C needs. Each
 // backend registers its kernels at the end of its own file (csrc/cpu/*.cpp,
-// csrc/cuda/*.cu), autograd in cast_autograd.cpp.
+// csrc/cuda/*.cu), autograd in autograd.cpp.
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -134,6 +134,8 @@ TORCH_LIBRARY(torchcast, m) {
   // kahan_sum / kahan_mean: arguments as torch.sum / torch.mean.
   m.def("kahan_sum(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
   m.def("kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
+  // tensor_health: counts, exponent histogram and extrema of x (layout: health.h).
+  m.def("tensor_health(Tensor x) -> (Tensor counts, Tensor hist, Tensor extrema)");
 }
 
 // Autocast passes the cast through untouched: re-casting x before the op

@@ -104,3 +104,51 @@ def edge_values(src, dst):
     vals = np.array(out, dtype=np.float64)
     vals = np.concatenate([vals, -vals])
     return torch.from_numpy(vals.astype(np_src))
+
+
+def _fraction_column(f):
+    """health.h's column of fractions f in [0, 1) (float64, exact), found by
+    reading f's binary digits one doubling at a time."""
+    ones = np.zeros(f.shape, dtype=np.int64)
+    still = np.ones(f.shape, dtype=bool)
+    g = f.copy()
+    digits = []
+    for _ in range(12):
+        g = g * 2
+        bit = g >= 1
+        g = np.where(bit, g - 1, g)
+        digits.append(bit)
+        still &= bit
+        ones += still
+    top4_1101 = digits[0] & digits[1] & ~digits[2] & digits[3]
+    # the rest after four digits: what the fraction holds beyond 0.1101b
+    rest = f - 0.8125
+    column = 1 + np.minimum(ones, 11)
+    column = np.where(top4_1101 & (rest > 0), 13, column)
+    return np.where(f == 0, 0, column)
+
+
+def tensor_health_reference(values, dtype):
+    """(counts, hist, extrema) of tensor_health for ``values`` (numpy float64,
+    each exactly a value of torch dtype ``dtype``), from numpy's frexp."""
+    import ml_dtypes
+    fi = ml_dtypes.finfo({torch.float64: np.float64, torch.float32: np.float32,
+                          torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16,
+                          torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+                          torch.float8_e5m2: ml_dtypes.float8_e5m2}[dtype])
+    e_sub, e_max = fi.minexp - fi.nmant, fi.maxexp - 1
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    a = np.abs(v)
+    finite = np.isfinite(v)
+    nonzero = finite & (a != 0)
+    counts = [int(np.isnan(v).sum()), int(np.isposinf(v).sum()), int(np.isneginf(v).sum()),
+              int((a == 0).sum()), int((nonzero & (a < float(fi.smallest_normal))).sum())]
+    m = a[nonzero]
+    mant, exp = np.frexp(m)
+    e = exp.astype(np.int64) - 1
+    column = _fraction_column(2 * mant - 1)
+    hist = np.zeros((e_max - e_sub + 1, 14), dtype=np.int64)
+    np.add.at(hist, (e - e_sub, column), 1)
+    amax = float(a[finite].max()) if finite.any() else 0.0
+    low = float(m.min()) if m.size else math.inf
+    return counts, hist, [amax, low]

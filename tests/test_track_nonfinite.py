@@ -275,3 +275,11 @@ def test_cli_nonfinite_raise(tmp_path):
     assert "not reached" not in run.stdout
     assert "NonFiniteError" in run.stderr and "aten::mm made 16 +inf" in run.stderr
     assert "train.py:4" in run.stderr
+
+
+def test_safe_to_overflow_is_an_origin_and_its_stats_are_not():
+    x = torch.tensor([1.0, 7e4])
+    with torchcast.track(nonfinite="record") as report:
+        torchcast.safe_to(x, torch.float16, policy="ignore")
+    assert [o.op for o in report.nonfinite] == ["torchcast::cast_with_stats"]
+    assert report.first_nonfinite.posinf == 1

@@ -8,10 +8,12 @@ from .cast import (
     safe_to, set_policy,
 )
 from .stats import CastStats
+from .health import TensorHealth, tensor_health
 
 __all__ = [
     "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
     "kahan_mean", "kahan_sum", "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
+    "TensorHealth", "tensor_health",
 ]
 
 # track() records the casts a program makes; audit() checks a model's casts with it.

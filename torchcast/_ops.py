@@ -61,7 +61,7 @@ def _cast_with_stats_out_fake(x, dtype, *, out):
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
-# Autograd for torchcast::cast_with_stats is registered in C++ (csrc/cast_autograd.cpp):
+# Autograd for torchcast::cast_with_stats is registered in C++ (csrc/autograd.cpp):
 # a Python autograd kernel would cost microseconds on every call.
 
 
@@ -266,9 +266,33 @@ class _FallbackReduce(torch.autograd.Function):
                              ctx.mean), None, None, None, None)
 
 
+# ---------------------------------------------------------------------------
+# tensor_health (torchcast.health): counts, exponent histogram, extrema.
+# Autograd: a C++ kernel that detaches (csrc/autograd.cpp).
+
+from ._reference import health as health_reference  # noqa: E402
+
+
+@torch.library.register_fake("torchcast::tensor_health")
+def _tensor_health_fake(x):
+    health_reference.check_dtype(x)
+    counts, hist, extrema = health_reference.output_shapes(x.dtype)
+    return (x.new_empty(counts, dtype=torch.int64), x.new_empty(hist, dtype=torch.int64),
+            x.new_empty(extrema, dtype=torch.float64))
+
+
+def tensor_health(x):
+    """(counts, hist, extrema): the op, or the pure-PyTorch fallback where no
+    kernel exists."""
+    if not has_kernel("tensor_health", x.device):
+        _warn_fallback(x.device)
+        return health_reference.tensor_health(x)
+    return _ops.tensor_health(x)
+
+
 # Filled once every op above is registered (the Meta kernels come from register_fake).
 _KERNELS = frozenset(
     (name, device)
-    for name in ("cast_with_stats", "kahan_sum", "kahan_mean", "adam_step_")
+    for name in ("cast_with_stats", "kahan_sum", "kahan_mean", "adam_step_", "tensor_health")
     for device, key in _DISPATCH_KEYS.items()
     if torch._C._dispatch_has_kernel_for_dispatch_key(f"torchcast::{name}", key))

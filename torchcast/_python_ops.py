@@ -13,6 +13,7 @@ import torch
 
 from ._reference import adam as adam_reference
 from ._reference import cast as cast_reference
+from ._reference import health as health_reference
 from ._reference import reduce as reduce_reference
 from ._schemas import SCHEMAS
 
@@ -66,6 +67,11 @@ def _kahan(mean):
     return kernel
 
 
+def _tensor_health(x):
+    _warn_once()
+    return health_reference.tensor_health(x)
+
+
 _KERNELS = {
     "cast_with_stats": _cast_with_stats,
     "cast_with_stats.out": _cast_with_stats_out,
@@ -73,6 +79,7 @@ _KERNELS = {
     "adam_step_.tensor_lr": _adam_step_,
     "kahan_sum": _kahan(False),
     "kahan_mean": _kahan(True),
+    "tensor_health": _tensor_health,
 }
 
 _lib = torch.library.Library("torchcast", "DEF")

@@ -19,4 +19,5 @@ SCHEMAS = {
                  "ScalarType? dtype=None) -> Tensor",
     "kahan_mean": "kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, "
                   "ScalarType? dtype=None) -> Tensor",
+    "tensor_health": "tensor_health(Tensor x) -> (Tensor counts, Tensor hist, Tensor extrema)",
 }

@@ -1,5 +1,5 @@
-"""``python -m torchcast track [--json FILE] [--policy P] [--violations KINDS]
-[--nonfinite ACTION] [--top N] SCRIPT.py [ARGS...]``: runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
+"""``python -m torchcast track [--json FILE] [--html FILE] [--policy P]
+[--violations KINDS] [--nonfinite ACTION] [--health] [--top N] SCRIPT.py [ARGS...]``: runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
 prints the report (to stderr) when the script ends, also when it raises or
 calls sys.exit. The exit code is the script's (1 if it raised). ``audit`` is
 another name for the same command."""
@@ -34,6 +34,8 @@ def build_parser():
                     "after SCRIPT is passed to it.")
     parser.add_argument("--json", metavar="FILE",
                         help="also write the report as JSON to FILE")
+    parser.add_argument("--html", metavar="FILE",
+                        help="also write the report as one self-contained HTML page to FILE")
     parser.add_argument("--policy", choices=("record", "warn", "raise"), default="record",
                         help="what a violating cast does: record it (default), warn once per "
                              "site, or raise at the first one")
@@ -44,6 +46,9 @@ def build_parser():
     parser.add_argument("--nonfinite", choices=("record", "warn", "raise"),
                         help="also check every op for NaN/inf made from finite inputs: list "
                              "each such op, warn once per place, or stop at the first one")
+    parser.add_argument("--health", action="store_true",
+                        help="also measure each module's outputs and gradients (exponent "
+                             "histograms, amax, zeros, subnormals) and print their headroom")
     parser.add_argument("--top", type=int, metavar="N",
                         help="print only the N worst sites")
     parser.add_argument("script", metavar="SCRIPT.py")
@@ -104,7 +109,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     code = 0
     try:
         with track(all_casts=True, policy=opts.policy, violations=opts.violations,
-                   nonfinite=opts.nonfinite) as report:
+                   nonfinite=opts.nonfinite, health=opts.health) as report:
             try:
                 runpy.run_path(opts.script, run_name="__main__")
             except SystemExit as e:
@@ -121,4 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(opts.json, "w") as f:
             f.write(report.to_json(indent=1))
         print(f"torchcast: report written to {opts.json}", file=sys.stderr)
+    if opts.html:
+        report.to_html(opts.html)
+        print(f"torchcast: HTML report written to {opts.html}", file=sys.stderr)
     return code

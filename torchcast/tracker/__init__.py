@@ -34,6 +34,7 @@ from .measure import MeasuredCast
 from . import compiled
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
+from .health import HealthWatch
 from .nonfinite import NonFiniteError, NonFiniteOrigin, NonFiniteWarning, NonFiniteWatch, check_action
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
@@ -52,6 +53,7 @@ class _Recording:
         self.warned = set()
         self.spool = None  # where a forked worker leaves its records (threads.py)
         self.watch = None  # the non-finite watch of track(nonfinite=...)
+        self.health = None  # the module health of track(health=True)
 
     def _in_worker(self):
         spool = self.spool
@@ -158,6 +160,11 @@ class track:
             CPU each op's output is read once; on a GPU the flags stay on
             the device and are read every 256 ops and at exit ("raise":
             after every op). Ops inside torch.compile'd graphs are not seen.
+        health: measure, per module, its forward outputs and the gradients
+            flowing into it in backward (``torchcast.tensor_health``, merged
+            per module, phase and dtype, kept on the device): ``report.health``
+            and ``report.headroom(dtype, scale)``, what a cast to float16,
+            bfloat16 or float8 would overflow or flush.
 
     Returns (on entry):
         The Report the block's casts are recorded into; read it after the
@@ -166,8 +173,10 @@ class track:
 
     def __init__(self, all_casts: bool = False, *, policy: Optional[str] = None,
                  rtol: Optional[float] = None, atol: Optional[float] = None,
-                 violations: ViolationsSpec = None, nonfinite: Optional[str] = None):
+                 violations: ViolationsSpec = None, nonfinite: Optional[str] = None,
+                 health: bool = False):
         self.nonfinite = check_action(nonfinite)
+        self.health = bool(health)
         if policy is not None:
             check_policy(policy)
         rtol = check_tolerance(rtol, "rtol", "torchcast.track")
@@ -197,12 +206,17 @@ class track:
         if self.nonfinite is not None:
             recording.watch = recording.report.nonfinite_watch = NonFiniteWatch(self.nonfinite)
             push_mode(watch=recording.watch)
+        if self.health:
+            recording.health = recording.report.health_watch = HealthWatch()
+            recording.health.start()
         self._recording = recording
         return recording.report
 
     def __exit__(self, *exc: Any) -> bool:
         recording, self._recording = self._recording, None
         try:
+            if recording.health is not None:
+                recording.health.stop()
             if recording.watch is not None:
                 pop_mode(watch=recording.watch)
                 recording.watch.flush()

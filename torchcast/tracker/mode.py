@@ -21,7 +21,7 @@ from .. import _ops
 from ..stats import PendingStats
 from .diagnose import note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
-from .nonfinite import NonFiniteWatch, inputs_nonfinite
+from .nonfinite import NonFiniteWatch, inputs_nonfinite, unwatched
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
 from .origins import made_by_autocast, origin_of
@@ -115,7 +115,7 @@ def _watched_op(mode, func, args, kwargs):
     """Runs one op for a mode with non-finite watches: the op as the fast path
     or the cast path would, then each watch's check of its result (an in-place
     op's inputs are read before it overwrites them)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or unwatched.active():
         return func(*args, **kwargs)
     mutates = _mutates.get(id(func))
     if mutates is None:

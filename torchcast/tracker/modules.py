@@ -123,12 +123,30 @@ def _pre_hook(module, args):
         _call_starts.append(call.start)
 
 
+_output_listeners = []
+
+
+def add_output_listener(listener) -> None:
+    """Calls ``listener(path, output)`` after each tracked module's forward,
+    with the module's path (as ``current_module`` gives it) and its output,
+    until ``remove_output_listener(listener)``."""
+    _output_listeners.append(listener)
+
+
+def remove_output_listener(listener) -> None:
+    """Undoes ``add_output_listener(listener)``."""
+    _output_listeners.remove(listener)
+
+
 def _post_hook(module, args, output):
     if torch.compiler.is_compiling():
         return
     stack = _stack()
     if stack and stack[-1].module_id == id(module):
-        stack.pop().end = _sequence_nr()
+        call = stack.pop()
+        call.end = _sequence_nr()
+        for listener in list(_output_listeners):
+            listener(call.path, output)
 
 
 # torch.compile(module) warns at every call, while global module hooks

@@ -36,6 +36,7 @@ from .sites import short_path, user_site
 
 ACTIONS = ("raise", "record", "warn")
 PENDING_LIMIT = 256
+_CAST_WITH_STATS = torch.ops.torchcast.cast_with_stats.default
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Ops whose outputs are uninitialized memory (any bits, NaN among them) or
 # that only relabel their input's memory.
@@ -246,6 +247,13 @@ class NonFiniteWatch:
             inputs_bad: ``inputs_nonfinite`` before an in-place op ran, else None.
             frame: the frame the dispatch mode was called from.
         """
+        namespace = getattr(func, "namespace", None)
+        if namespace in ("torchcast", "torchcast_track"):
+            # torchcast's ops: only safe_to's cast result, not its stats
+            # (whose maxima are inf for an overflow) nor the tracker's measures.
+            if func is not _CAST_WITH_STATS:
+                return
+            out = out[0]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _floating(t)]
         if not outs or op_name(func) in _UNCHECKED or getattr(func, "is_view", False):
             return
@@ -317,6 +325,25 @@ class NonFiniteWatch:
         if self.action == "warn" and origin.key not in self.warned:
             self.warned.add(origin.key)
             warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
+
+
+class unwatched:
+    """``with unwatched():`` the ops this thread runs are not checked: the
+    tracker's own bookkeeping (health.py's merges of extrema that start at inf)."""
+
+    _local = threading.local()
+
+    def __enter__(self):
+        self.saved = unwatched.active()
+        unwatched._local.on = True
+
+    def __exit__(self, *exc):
+        unwatched._local.on = self.saved
+
+    @staticmethod
+    def active() -> bool:
+        """Whether this thread is inside ``with unwatched()``."""
+        return getattr(unwatched._local, "on", False)
 
 
 def checked_at_once(device: torch.device) -> bool:

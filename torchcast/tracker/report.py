@@ -11,6 +11,8 @@ import torch
 
 from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_name
 from ..violations import Violations, ViolationsSpec
+from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHealth,
+                     headroom_table, health_lines)
 from .nonfinite import NonFiniteOrigin, NonFiniteWatch
 from .sites import short_path
 
@@ -178,6 +180,7 @@ class Report:
         self.rtol, self.atol = rtol, atol
         self.kinds = Violations(violations)
         self.nonfinite_watch: Optional[NonFiniteWatch] = None
+        self.health_watch: Optional[HealthWatch] = None
         self._sites = {}
         self._lock = threading.Lock()
 
@@ -263,6 +266,36 @@ class Report:
         watch.flush()
         return watch.propagated
 
+    @property
+    def health(self) -> List[ModuleHealth]:
+        """Per module, phase ("forward": its outputs; "backward": the
+        gradients flowing into it) and dtype, the merged
+        ``torchcast.TensorHealth`` (``track(health=True)``; empty without
+        it), worst first: non-finite values, then the fewest binades between
+        amax and the dtype's largest value, then the most zero and subnormal
+        elements."""
+        return self.health_watch.rows() if self.health_watch is not None else []
+
+    def headroom(self, dtype: torch.dtype,
+                 scale: Union[None, float, str] = None) -> HeadroomTable:
+        """What casting each module's outputs and gradients to ``dtype``
+        would do, exactly, from their histograms (``track(health=True)``).
+
+        Args:
+            dtype: torch.float16, torch.bfloat16, torch.float8_e4m3fn or
+                torch.float8_e5m2.
+            scale: None (no scaling), a power of two, or "amax": per entry,
+                the largest power of two that keeps its amax finite
+                (per-tensor amax scaling, rounded down to a power of two).
+
+        Returns:
+            A HeadroomTable (``str()`` prints it, worst first; ``.rows``).
+        """
+        if self.health_watch is None:
+            raise RuntimeError("torchcast.Report.headroom: this report has no module health; "
+                               "record it with torchcast.track(health=True)")
+        return headroom_table(self.health_watch, dtype, scale)
+
     def __len__(self) -> int:
         return len(self._sites)
 
@@ -285,8 +318,9 @@ class Report:
         calls = sum(r.calls for r in records)
         head = (f"torchcast.track: {len(records)} cast sites, {calls} casts, "
                 f"{bad} with violations (worst first)")
-        if not records:
-            return "\n".join(lines or [head])
+        if not records:  # a track that only watches says nothing of casts
+            only_watching = lines or self.health_watch is not None
+            return "\n".join((lines if only_watching else [head]) + self._health_lines())
         rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
                  "violations", "notes")]
         for r in shown:
@@ -315,7 +349,10 @@ class Report:
             lines.append(f"... {len(records) - len(shown)} more sites")
         for up, back in self.undone_upcasts():
             lines.append(f"{up.site}: {undone_upcast_message(up)}")
-        return "\n".join(lines)
+        return "\n".join(lines + self._health_lines())
+
+    def _health_lines(self):
+        return health_lines(self.health_watch) if self.health_watch is not None else []
 
     def __str__(self) -> str:
         return self.table()
@@ -341,6 +378,12 @@ class Report:
         if self.nonfinite_watch is not None:
             data["nonfinite"] = [o.to_dict() for o in self.nonfinite]
             data["propagated"] = self.propagated
+        if self.health_watch is not None:
+            rows = self.health
+            data["health"] = [r.to_dict() for r in rows]
+            data["headroom"] = [
+                HeadroomRow(r.module, r.phase, r.dtype, r.headroom(fmt, scale)).to_dict()
+                for r in rows for fmt in FORMATS for scale in (None, "amax")]
         return data
 
     def to_json(self, **kwargs: Any) -> str:
@@ -372,6 +415,8 @@ class Report:
             for d in data["nonfinite"]:
                 origin = NonFiniteOrigin.from_dict(d)
                 watch.origins[origin.key] = origin
+        if "health" in data:
+            report.health_watch = HealthWatch.from_dicts(data["health"])
         return report
 
     @classmethod

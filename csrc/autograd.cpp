@@ -1,4 +1,4 @@
-// Autograd for cast_with_stats, as a C++ kernel: a Python one
+// Autograd for torchcast's ops, as C++ kernels: a Python one
 // (torch.library.register_autograd) costs microseconds on every call, with or
 // without gradients, several times what the cast itself takes on small
 // tensors.
@@ -56,13 +56,24 @@ at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtyp
   return stats;
 }
 
+// tensor_health measures x: its outputs are statistics, never differentiable,
+// for any x (one that requires grad included).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tensor_health_autograd(const at::Tensor& x) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchcast::tensor_health", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&)>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(x);
+}
+
 }  // namespace
 
 // For every backend: y's derivative is the identity, stats is not
-// differentiable.
+// differentiable; tensor_health's outputs never carry a graph.
 TORCH_LIBRARY_IMPL(torchcast, Autograd, m) {
   m.impl("cast_with_stats", &cast_with_stats_autograd);
   m.impl("cast_with_stats.out", &cast_with_stats_out_autograd);
+  m.impl("tensor_health", &tensor_health_autograd);
 }
 
 }  // namespace torchcast

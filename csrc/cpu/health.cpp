@@ -1,0 +1,87 @@
+// tensor_health on the CPU: one pass over x, each thread counting into its
+// own histogram, merged at the end (integer counts and extrema: the result
+// does not depend on the thread count). Layout and classification: health.h.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/bit_cast.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "../cast_common.h"
+#include "../health.h"
+
+namespace torchcast {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;
+
+template <typename F, typename Scalar>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> health_of(const at::Tensor& x) {
+  using Bits = typename F::storage;
+  static_assert(sizeof(Bits) == sizeof(Scalar), "the format's bits are the scalar's");
+  const at::Tensor xc = x.contiguous();
+  const Bits* p = static_cast<const Bits*>(xc.const_data_ptr());
+  const auto longs = x.options().dtype(at::kLong);
+  at::Tensor counts = at::zeros({kHealthCounts}, longs);
+  at::Tensor hist = at::zeros({F::kRows, kHealthColumns}, longs);
+  int64_t* total_counts = counts.data_ptr<int64_t>();
+  int64_t* total_hist = hist.data_ptr<int64_t>();
+  Bits max_u = 0, min_u = F::kMagnitude;  // kMagnitude: a NaN pattern, above every finite
+  std::mutex merge;
+  at::parallel_for(0, xc.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> local(F::kRows * kHealthColumns, 0);
+    int64_t local_counts[kHealthCounts] = {0, 0, 0, 0, 0};
+    Bits local_max = 0, local_min = F::kMagnitude;
+    for (int64_t i = begin; i < end; ++i) {
+      const Bits bits = p[i];
+      const HealthElement el = classify_health<F>(bits);
+      if (el.kind != kHealthFiniteNonzero) {
+        ++local_counts[el.kind];
+        continue;
+      }
+      local_counts[kSubnormalCount] += el.subnormal;
+      ++local[el.cell];
+      const Bits u = bits & F::kMagnitude;
+      local_max = u > local_max ? u : local_max;
+      local_min = u < local_min ? u : local_min;
+    }
+    std::lock_guard<std::mutex> lock(merge);
+    for (int k = 0; k < kHealthCounts; ++k) total_counts[k] += local_counts[k];
+    for (size_t k = 0; k < local.size(); ++k) total_hist[k] += local[k];
+    max_u = local_max > max_u ? local_max : max_u;
+    min_u = local_min < min_u ? local_min : min_u;
+  });
+  at::Tensor extrema = at::empty({2}, x.options().dtype(at::kDouble));
+  double* e = extrema.data_ptr<double>();
+  e[0] = static_cast<double>(c10::bit_cast<Scalar>(max_u));
+  e[1] = min_u == F::kMagnitude ? std::numeric_limits<double>::infinity()
+                                : static_cast<double>(c10::bit_cast<Scalar>(min_u));
+  return {counts, hist, extrema};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tensor_health_cpu(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kDouble: return health_of<HealthF64, double>(x);
+    case at::kFloat: return health_of<HealthF32, float>(x);
+    case at::kHalf: return health_of<HealthF16, c10::Half>(x);
+    case at::kBFloat16: return health_of<HealthBF16, c10::BFloat16>(x);
+    case at::kFloat8_e4m3fn: return health_of<HealthE4M3, c10::Float8_e4m3fn>(x);
+    case at::kFloat8_e5m2: return health_of<HealthE5M2, c10::Float8_e5m2>(x);
+    default:
+      TORCH_CHECK_TYPE(false, "torchcast.tensor_health: x is ", dtype_name(x.scalar_type()),
+                       "; supported dtypes: torch.float64, torch.float32, torch.float16, "
+                       "torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
+  m.impl("tensor_health", &tensor_health_cpu);
+}
+
+}  // namespace torchcast

@@ -1,0 +1,160 @@
+"""tensor_health: one pass over a tensor that counts NaN, ±inf, zeros and
+subnormals, keeps amax and the smallest nonzero magnitude, and histograms
+the elements by binade and by the leading bits of their fraction (exact
+enough to predict any cast to float16, bfloat16 or float8 at a power-of-two
+scale: torchcast/headroom.py)."""
+from typing import Any, Dict, List
+
+import torch
+
+from . import _ops
+from ._reference.health import COLUMNS, binade_range
+
+
+class TensorHealth:
+    """The health of one tensor, or of several merged (``add_``): tensors on
+    the measured tensor's device, read only when a property is.
+
+    Attributes:
+        dtype: the measured tensors' dtype.
+        counts: int64 [5]: NaN, +inf, -inf, zeros, subnormals (of ``dtype``).
+        hist: int64 [rows, 14]: the finite nonzero elements; row r holds the
+            binade 2^e <= |x| < 2^(e+1), e = r + e_sub (``binades``); the
+            column classifies the fraction f = |x|/2^e - 1 by its leading one
+            bits L: 0 for f == 0, 1 + min(L, 11) otherwise, and 13 for
+            f above 0.1101b in binary (L = 2). Rounding to q fraction bits
+            carries an element into the next binade iff L >= q + 1.
+        extrema: float64 [2]: amax over finite elements (0 if none), the
+            smallest nonzero finite |x| (inf if none).
+    """
+
+    __slots__ = ("dtype", "counts", "hist", "extrema")
+
+    def __init__(self, dtype: torch.dtype, counts: torch.Tensor, hist: torch.Tensor,
+                 extrema: torch.Tensor):
+        self.dtype, self.counts, self.hist, self.extrema = dtype, counts, hist, extrema
+
+    @classmethod
+    def empty(cls, dtype: torch.dtype, device: torch.device = torch.device("cpu")) \
+            -> "TensorHealth":
+        """The health of no elements: what merging starts from."""
+        e_sub, e_max = binade_range(dtype)
+        return cls(dtype, torch.zeros(5, dtype=torch.int64, device=device),
+                   torch.zeros(e_max - e_sub + 1, COLUMNS, dtype=torch.int64, device=device),
+                   torch.tensor([0.0, float("inf")], dtype=torch.float64, device=device))
+
+    def add_(self, other: "TensorHealth") -> "TensorHealth":
+        """Merges ``other`` into this one, on the device, without a sync."""
+        if other.dtype != self.dtype:
+            raise ValueError(f"torchcast.TensorHealth.add_: cannot merge the health of a "
+                             f"{other.dtype} tensor into that of {self.dtype} tensors")
+        self.counts.add_(other.counts)
+        self.hist.add_(other.hist)
+        torch.maximum(self.extrema[:1], other.extrema[:1], out=self.extrema[:1])
+        torch.minimum(self.extrema[1:], other.extrema[1:], out=self.extrema[1:])
+        return self
+
+    def merge(self, other: "TensorHealth") -> "TensorHealth":
+        """A new TensorHealth of both (neither changes)."""
+        return TensorHealth(self.dtype, self.counts.clone(), self.hist.clone(),
+                            self.extrema.clone()).add_(other)
+
+    # -- reading (each a sync) ----------------------------------------------------
+    def _count(self, i):
+        return int(self.counts[i])
+
+    @property
+    def nan(self) -> int:
+        return self._count(0)
+
+    @property
+    def posinf(self) -> int:
+        return self._count(1)
+
+    @property
+    def neginf(self) -> int:
+        return self._count(2)
+
+    @property
+    def zero(self) -> int:
+        return self._count(3)
+
+    @property
+    def subnormal(self) -> int:
+        return self._count(4)
+
+    @property
+    def numel(self) -> int:
+        """Every element measured: NaN, inf, zeros and the histogram's."""
+        return int(self.counts[:4].sum() + self.hist.sum())
+
+    @property
+    def amax(self) -> float:
+        return float(self.extrema[0])
+
+    @property
+    def min_nonzero(self) -> float:
+        return float(self.extrema[1])
+
+    @property
+    def binades(self) -> List[int]:
+        """The exponent e of each histogram row."""
+        e_sub, e_max = binade_range(self.dtype)
+        return list(range(e_sub, e_max + 1))
+
+    @property
+    def binade_counts(self) -> List[int]:
+        """The elements per binade (the histogram summed over its columns)."""
+        return self.hist.sum(dim=1).tolist()
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready values: counts, extrema (min_nonzero None when there is
+        no nonzero element), the binades that hold elements, their counts,
+        and their columns ("columns": binade -> 14 counts) for from_dict."""
+        counts = self.counts.tolist()
+        hist = self.hist.cpu()
+        amax, low = self.extrema.tolist()
+        per_binade = hist.sum(dim=1)
+        rows = torch.nonzero(per_binade).flatten().tolist()
+        binades = self.binades
+        return {"dtype": str(self.dtype), "numel": sum(counts[:4]) + int(per_binade.sum()),
+                "nan": counts[0], "posinf": counts[1], "neginf": counts[2], "zero": counts[3],
+                "subnormal": counts[4], "amax": amax,
+                "min_nonzero": low if low != float("inf") else None,
+                "binades": [binades[r] for r in rows],
+                "hist": [int(per_binade[r]) for r in rows],
+                "columns": {str(binades[r]): hist[r].tolist() for r in rows}}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TensorHealth":
+        """Reads ``to_dict()``'s values back (on the CPU)."""
+        dtype = getattr(torch, d["dtype"].replace("torch.", ""))
+        health = cls.empty(dtype)
+        health.counts.copy_(torch.tensor([d["nan"], d["posinf"], d["neginf"], d["zero"],
+                                          d["subnormal"]]))
+        e_sub, _ = binade_range(dtype)
+        for binade, columns in d["columns"].items():
+            health.hist[int(binade) - e_sub] = torch.tensor(columns)
+        low = d["min_nonzero"]
+        health.extrema.copy_(torch.tensor([d["amax"], float("inf") if low is None else low]))
+        return health
+
+    def __repr__(self) -> str:
+        return f"<torchcast.TensorHealth of {self.dtype} on {self.counts.device}>"
+
+
+def tensor_health(x: torch.Tensor) -> TensorHealth:
+    """Measures ``x`` in one pass, on its device, without a sync.
+
+    Args:
+        x: a float64, float32, float16, bfloat16, float8_e4m3fn or
+            float8_e5m2 tensor (any shape and strides).
+
+    Returns:
+        A TensorHealth (read its properties, or merge it with ``add_``).
+    """
+    counts, hist, extrema = _ops.tensor_health(x)
+    return TensorHealth(x.dtype, counts, hist, extrema)
+
+
+__all__ = ["TensorHealth", "tensor_health"]

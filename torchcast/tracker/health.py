@@ -1,0 +1,229 @@
+"""track(health=True): per module, the numeric health of its forward outputs
+and of the gradients flowing into it in backward, merged over calls, and
+what a narrower format would make of them (headroom).
+
+Forward: a listener on the tracker's module hooks (modules.py) measures each
+floating output with ``torchcast.tensor_health``; backward: a hook on each
+output that requires grad measures the gradient that reaches it (the
+gradient flowing into the module from what used its output). The measures
+stay tensors on the device, merged per (module, phase, dtype), until read.
+"""
+import dataclasses
+import math
+import threading
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..headroom import FORMATS, Headroom, headroom
+from ..health import TensorHealth, tensor_health
+from ..stats import short_dtype_name
+from .modules import add_output_listener, remove_output_listener
+from .nonfinite import unwatched
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PHASES = ("forward", "backward")
+
+
+@dataclasses.dataclass
+class ModuleHealth:
+    """The merged health of a module's outputs (phase "forward") or of the
+    gradients flowing into it (phase "backward"), for one dtype."""
+
+    module: Optional[str]
+    phase: str
+    health: TensorHealth
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.health.dtype
+
+    def headroom(self, dtype: torch.dtype, scale: Union[None, float, str] = None) -> Headroom:
+        """``torchcast.headroom.headroom`` of this entry."""
+        return headroom(self.health, dtype, scale)
+
+    def binades_to_overflow(self) -> float:
+        """log2(largest finite value of its dtype / amax): how many doublings
+        the largest element can take (inf when all are zero)."""
+        amax = self.health.amax
+        return math.log2(torch.finfo(self.dtype).max / amax) if amax > 0 else math.inf
+
+    def to_dict(self) -> Dict[str, Any]:
+        h = self.health
+        return {"module": self.module, "phase": self.phase, **h.to_dict()}
+
+
+class HealthWatch:
+    """The module health of one track(health=True)."""
+
+    def __init__(self):
+        self.entries: Dict[Tuple[Optional[str], str, torch.dtype], TensorHealth] = {}
+        self.lock = threading.Lock()
+        self.active = False
+
+    def start(self) -> None:
+        self.active = True
+        add_output_listener(self.on_output)
+
+    def stop(self) -> None:
+        self.active = False
+        remove_output_listener(self.on_output)
+
+    def _add(self, module, phase, t):
+        with unwatched():
+            measured = tensor_health(t.detach())
+            key = (module, phase, t.dtype)
+            with self.lock:
+                known = self.entries.get(key)
+                if known is None:
+                    self.entries[key] = measured
+                    return
+                known.add_(measured)
+
+    def on_output(self, module: Optional[str], output: Any) -> None:
+        """The module hooks' listener: measures each floating output, and
+        hooks its gradient."""
+        if not self.active:
+            return
+        for t in tree_flatten(output)[0]:
+            if type(t) not in _PLAIN_TYPES or not t.is_floating_point() or t.numel() == 0:
+                continue
+            self._add(module, "forward", t)
+            if t.requires_grad and torch.is_grad_enabled():
+                t.register_hook(_GradHook(self, module))
+
+    @classmethod
+    def from_dicts(cls, rows: List[Dict[str, Any]]) -> "HealthWatch":
+        """A stopped watch holding ``ModuleHealth.to_dict()`` rows (a report
+        read back from JSON)."""
+        watch = cls()
+        for d in rows:
+            h = TensorHealth.from_dict(d)
+            watch.entries[(d["module"], d["phase"], h.dtype)] = h
+        return watch
+
+    def rows(self) -> List[ModuleHealth]:
+        """Every entry, worst first: non-finite values, then the fewest
+        binades to overflow (forward) and the largest share of zero and
+        subnormal gradients (backward)."""
+        with self.lock:
+            rows = [ModuleHealth(m, phase, h) for (m, phase, _), h in self.entries.items()]
+        return sorted(rows, key=_severity)
+
+
+class _GradHook:
+    """Measures the gradient reaching a module's output (returns None: the
+    gradient passes unchanged)."""
+
+    __slots__ = ("watch", "module")
+
+    def __init__(self, watch, module):
+        self.watch, self.module = watch, module
+
+    def __call__(self, grad):
+        if self.watch.active and grad is not None and grad.numel():
+            self.watch._add(self.module, "backward", grad)
+
+
+def _severity(row: ModuleHealth):
+    h = row.health
+    numel = max(h.numel, 1)
+    lost = (h.zero + h.subnormal) / numel
+    return (-(h.nan + h.posinf + h.neginf), row.binades_to_overflow(), -lost)
+
+
+@dataclasses.dataclass
+class HeadroomRow:
+    module: Optional[str]
+    phase: str
+    src_dtype: torch.dtype
+    result: Headroom
+
+    def to_dict(self) -> Dict[str, Any]:
+        r = self.result
+        return {"module": self.module, "phase": self.phase, "src_dtype": str(self.src_dtype),
+                "format": str(r.dtype), "scale": r.scale, "numel": r.numel,
+                "overflow": r.overflow_fraction, "underflow": r.underflow_fraction,
+                "subnormal": r.subnormal_fraction}
+
+
+class HeadroomTable:
+    """``Report.headroom``'s answer: per module and phase, what a cast to a
+    format would do; ``str()`` prints it worst first (overflow, then
+    underflow, then subnormal results)."""
+
+    def __init__(self, dtype: torch.dtype, scale: Union[None, float, str],
+                 rows: List[HeadroomRow]):
+        self.dtype, self.scale = dtype, scale
+        self.rows = sorted(rows, key=lambda r: (-r.result.overflow_fraction,
+                                                -r.result.underflow_fraction,
+                                                -r.result.subnormal_fraction))
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_dict(self) -> List[Dict[str, Any]]:
+        return [r.to_dict() for r in self.rows]
+
+    def __str__(self) -> str:
+        scale = "per-entry power-of-two amax scale" if self.scale == "amax" else \
+            f"scale {1.0 if self.scale is None else self.scale:g}"
+        head = f"torchcast headroom in {short_dtype_name(self.dtype)} ({scale}), worst first"
+        table = [("module", "phase", "dtype", "elements", "scale", "overflow", "underflow",
+                  "subnormal")]
+        for r in self.rows:
+            h = r.result
+            table.append((r.module or "-", r.phase, short_dtype_name(r.src_dtype), str(h.numel),
+                          f"2^{int(math.log2(h.scale))}", _percent(h.overflow_fraction),
+                          _percent(h.underflow_fraction), _percent(h.subnormal_fraction)))
+        return _format_table(head, table, left=3)
+
+
+def _percent(x: float) -> str:
+    if x == 0:
+        return "0"
+    return f"{100 * x:.3g}%" if x >= 1e-5 else f"{100 * x:.1e}%"
+
+
+def _format_table(head: str, rows: List[tuple], left: int) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [head]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def headroom_table(watch: HealthWatch, dtype: torch.dtype,
+                   scale: Union[None, float, str] = None) -> HeadroomTable:
+    """``Report.headroom``: every entry of ``watch`` cast to ``dtype``."""
+    rows = [HeadroomRow(r.module, r.phase, r.dtype, r.headroom(dtype, scale))
+            for r in watch.rows()]
+    return HeadroomTable(dtype, scale, rows)
+
+
+def health_lines(watch: HealthWatch) -> List[str]:
+    """The report table's section on module health, worst first."""
+    rows = watch.rows()
+    head = (f"torchcast.track: numeric health of {len(rows)} module outputs and gradients "
+            "(worst first)")
+    table = [("module", "phase", "dtype", "elements", "amax", "binades to max", "min nonzero",
+              "nan/inf", "zero", "subnormal")]
+    for r in rows:
+        h = r.health
+        n = max(h.numel, 1)
+        room = r.binades_to_overflow()
+        table.append((r.module or "-", r.phase, short_dtype_name(r.dtype), str(h.numel),
+                      f"{h.amax:.3g}", f"{room:.1f}" if math.isfinite(room) else "-",
+                      f"{h.min_nonzero:.3g}" if math.isfinite(h.min_nonzero) else "-",
+                      str(h.nan + h.posinf + h.neginf), _percent(h.zero / n),
+                      _percent(h.subnormal / n)))
+    return _format_table(head, table, left=3).split("\n")
+
+
+__all__ = ["FORMATS", "HealthWatch", "HeadroomRow", "HeadroomTable", "ModuleHealth",
+           "headroom_table", "health_lines"]
