@@ -13,8 +13,10 @@ from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_nam
 from ..violations import Violations, ViolationsSpec
 from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHealth,
                      headroom_table, health_lines)
+from .html import render_html
 from .nonfinite import NonFiniteOrigin, NonFiniteWatch
 from .sites import short_path
+from .tensorboard import write_tensorboard
 
 # (module, file, line, origin, name, src_dtype, dtype, via): casts with the
 # same key merge into one Record.
@@ -393,6 +395,29 @@ class Report:
             **kwargs: passed to json.dumps (e.g. ``indent``).
         """
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
+
+    def to_html(self, path: str) -> None:
+        """Writes the report as one self-contained HTML page (inline CSS and
+        SVG; no script, nothing fetched): non-finite origins, the cast sites,
+        each module's exponent histogram over the formats' windows, headroom.
+
+        Args:
+            path: the file to write.
+        """
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render_html(self.to_dict()))
+
+    def to_tensorboard(self, writer: Any, step: int, prefix: str = "torchcast") -> None:
+        """Writes the report's figures as scalars and histograms at ``step``
+        (torchcast.tracker.tensorboard lists the tags).
+
+        Args:
+            writer: anything with ``add_scalar`` and ``add_histogram`` (or
+                ``add_histogram_raw``): torch.utils.tensorboard.SummaryWriter.
+            step: the global step.
+            prefix: the first component of every tag.
+        """
+        write_tensorboard(self.to_dict(), writer, step, prefix)
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Report":

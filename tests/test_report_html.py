@@ -1,0 +1,191 @@
+"""Report.to_html and Report.to_tensorboard on a real tracked step (a float16
+model whose Linear overflows), and the page in headless Chromium: it loads
+without console errors and its SVGs have one bar per populated binade and
+four format windows per histogram."""
+import html.parser
+import json
+import os
+import struct
+import sys
+import zlib
+
+import pytest
+import torch
+
+import torchcast
+from torchcast.tracker.html import render_html
+from torchcast.tracker.tensorboard import write_tensorboard
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import screenshot  # noqa: E402
+
+needs_chromium = pytest.mark.skipif(screenshot.chromium() is None,
+                                    reason="chromium not installed (apt-get install chromium)")
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(16, 64)
+        self.down = torch.nn.Linear(64, 4)
+        with torch.no_grad():
+            self.up.weight.mul_(4000)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.fixture(scope="module")
+def report():
+    model = Block().half()
+    with torchcast.track(all_casts=True, policy="record", nonfinite="record",
+                         health=True) as rep:
+        y = model(torch.randn(8, 16).half() * 40)
+        y.float().square().mean().backward()
+    return rep
+
+
+class _Page(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.classes, self.urls, self.text = [], [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        attrs = dict(attrs)
+        self.classes.append((tag, attrs.get("class", "")))
+        for name in ("src", "href", "xlink:href"):
+            if name in attrs:
+                self.urls.append(attrs[name])
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(text):
+    page = _Page()
+    page.feed(text)
+    return page
+
+
+def expected_bars(data):
+    return sum(sum(1 for n in h["hist"] if n) + (1 if h["nan"] + h["posinf"] + h["neginf"] else 0)
+               for h in data["health"])
+
+
+def test_page_is_self_contained_and_complete(report, tmp_path):
+    path = tmp_path / "report.html"
+    report.to_html(str(path))
+    text = path.read_text(encoding="utf-8")
+    page = parse(text)
+    assert "script" not in page.tags and page.urls == []  # nothing to run, nothing fetched
+    data = report.to_dict()
+    bars = [c for t, c in page.classes if t == "rect" and c.split()[0] == "bar"]
+    windows = [c for t, c in page.classes if t == "rect" and c.startswith("window normal")]
+    assert len(bars) == expected_bars(data) > 0
+    assert len(windows) == 4 * len(data["health"])
+    body = " ".join(page.text)
+    assert "aten::addmm" in body and "Where NaN/inf first appeared" in body
+    assert all(r["site"] in body for r in data["records"])
+    assert "float8_e4m3fn" in body
+
+
+def test_user_text_is_escaped():
+    data = {"records": [], "nonfinite": [{
+        "op": "aten::log", "module": "<script>alert(1)</script>", "phase": "forward",
+        "node": None, "file": "a&b.py", "line": 3, "via": None, "dtype": "torch.float32",
+        "nan": 1, "posinf": 0, "neginf": 0, "count": 1, "inputs": [], "note": "<b>x</b>"}]}
+    text = render_html(data)
+    page = parse(text)
+    assert "script" not in page.tags and "<b>x</b>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text and "a&amp;b.py" in text
+    assert "&lt;b&gt;x&lt;/b&gt;" in text
+
+
+def test_renders_from_saved_json(report):
+    again = torchcast.Report.from_json(report.to_json())
+    data = json.loads(report.to_json())
+    assert expected_bars(again.to_dict()) == expected_bars(data)
+
+
+@needs_chromium
+def test_chromium_loads_it(report, tmp_path):
+    path, png = tmp_path / "report.html", tmp_path / "report.png"
+    report.to_html(str(path))
+    rendered = screenshot.render(str(path), str(png), size="1000,1400")
+    assert rendered.console_errors == []
+    dom = parse(rendered.dom)
+    data = report.to_dict()
+    bars = [c for t, c in dom.classes if t == "rect" and c.split()[0] == "bar"]
+    assert len(bars) == expected_bars(data)
+    assert sum(1 for t, c in dom.classes if t == "svg") == len(data["health"])
+    width, height, pixels = _read_png(png.read_bytes())
+    assert (width, height) == (1000, 1400)
+    assert len(set(pixels)) > 10  # not a blank page
+
+
+def _read_png(blob):
+    """(width, height, set of distinct rows' bytes): enough to tell a page
+    from a blank one, without an image library."""
+    assert blob[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", None
+    while pos < len(blob):
+        length, kind = struct.unpack(">I4s", blob[pos:pos + 8])
+        chunk = blob[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            width, height = struct.unpack(">II", chunk[:8])
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = len(raw) // height
+    rows = [raw[i * stride + 1:(i + 1) * stride] for i in range(height)]
+    return width, height, rows
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars, self.histograms = {}, {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = (value, step)
+
+    def add_histogram_raw(self, tag, min, max, num, sum, sum_squares, bucket_limits,
+                          bucket_counts, global_step):
+        self.histograms[tag] = (num, bucket_limits, bucket_counts, global_step)
+
+
+class _PlainWriter(_Writer):
+    add_histogram_raw = None
+
+    def __getattribute__(self, name):
+        if name == "add_histogram_raw":
+            raise AttributeError(name)
+        return object.__getattribute__(self, name)
+
+    def add_histogram(self, tag, values, step):
+        self.histograms[tag] = (len(values), step)
+
+
+def test_tensorboard_scalars_and_histograms(report):
+    writer = _Writer()
+    report.to_tensorboard(writer, step=7)
+    data = report.to_dict()
+    assert writer.scalars["torchcast/nonfinite/origins"] == (1, 7)
+    up = [h for h in data["health"] if (h["module"], h["phase"]) == ("up", "forward")][0]
+    num, limits, counts, step = writer.histograms["torchcast/health/up/forward/torch.float16/log2_abs"]
+    assert num == sum(up["hist"]) and counts == [n for n in up["hist"] if n] and step == 7
+    assert all(" " not in tag and ":" not in tag for tag in writer.scalars)
+    assert any(t.startswith("torchcast/headroom/up/forward") for t in writer.scalars)
+    plain = _PlainWriter()
+    write_tensorboard(data, plain, 3, prefix="run1")
+    assert plain.histograms["run1/health/up/forward/torch.float16/log2_abs"][0] == sum(up["hist"])
+
+
+def test_tensorboard_summary_writer(report, tmp_path):
+    tb = pytest.importorskip("torch.utils.tensorboard", reason="tensorboard is not installed")
+    writer = tb.SummaryWriter(str(tmp_path))
+    report.to_tensorboard(writer, 1)
+    writer.close()
+    assert any(name.startswith("events.out") for name in os.listdir(tmp_path))
