@@ -78,6 +78,62 @@ struct HealthElement {
   int cell;  // row * kHealthColumns + column, for kHealthFiniteNonzero
 };
 
+// The column of a fraction whose kM bits sit at the top of t (see above).
+// Branch-free: the 0.1101b test is true for 1 fraction in 16, which a branch
+// would mispredict.
+TC_HD int health_column(uint64_t t) {
+  const int ones = leading_zeros64(~t);  // ~t != 0: its low bits are ones
+  const int by_ones = 1 + (ones < 11 ? ones : 11);
+  const int above_1101 = static_cast<int>((t >> 60) == 0xD) & static_cast<int>((t << 4) != 0);
+  const int column = by_ones + above_1101 * (13 - by_ones);
+  return column * static_cast<int>(t != 0);
+}
+
+// Whether a magnitude u is a normal number of F (neither zero, subnormal, inf
+// nor NaN); then its cell is normal_cell<F>(u). The kernels' fast path.
+template <typename F>
+TC_HD bool is_normal(typename F::storage u) {
+  const auto field = static_cast<uint32_t>(u >> F::kM);
+  constexpr uint32_t kTop = static_cast<uint32_t>(F::kExponentMask >> F::kM);
+  return F::kFiniteOnly ? field != 0 && u != F::kMagnitude : field - 1u < kTop - 1u;
+}
+
+// The histogram row of a normal magnitude u: e - kESub, with e = field - kBias
+// and kESub = 1 - kBias - kM.
+template <typename F>
+TC_HD int normal_row(typename F::storage u) {
+  return static_cast<int>(u >> F::kM) - 1 + F::kM;
+}
+
+template <typename F>
+TC_HD int normal_cell(typename F::storage u) {
+  return normal_row<F>(u) * kHealthColumns +
+         health_column(static_cast<uint64_t>(u & F::kFractionMask) << (64 - F::kM));
+}
+
+// A fraction's column depends only on its first 12 bits and on whether any
+// later bit is set: the index of a 2^13-entry table of health_column (the
+// CPU kernel's fast path), (first 12 bits) * 2 + (later bit set).
+constexpr int kFractionIndexBits = 13;
+
+template <typename F>
+TC_HD uint32_t fraction_index(typename F::storage u) {
+  const uint64_t fraction = static_cast<uint64_t>(u & F::kFractionMask);
+  if constexpr (F::kM <= 12) {
+    return static_cast<uint32_t>(fraction << (12 - F::kM)) << 1;
+  } else {
+    constexpr uint64_t kLater = (uint64_t{1} << (F::kM - 12)) - 1;
+    return static_cast<uint32_t>((fraction >> (F::kM - 12)) << 1) |
+           static_cast<uint32_t>((fraction & kLater) != 0);
+  }
+}
+
+// health_column of the fractions fraction_index maps to i.
+TC_HD int column_of_index(uint32_t i) {
+  return health_column((static_cast<uint64_t>(i >> 1) << 52) |
+                       (static_cast<uint64_t>(i & 1) << 40));
+}
+
 template <typename F>
 TC_HD HealthElement classify_health(typename F::storage bits) {
   using Bits = typename F::storage;
@@ -105,18 +161,7 @@ TC_HD HealthElement classify_health(typename F::storage bits) {
   } else {
     e = biased - F::kBias;
   }
-  // The fraction's bits at the top of 64: leading ones are leading zeros of ~t.
-  const uint64_t t = fraction << (64 - F::kM);
-  int column;
-  if (t == 0) {
-    column = 0;
-  } else if ((t >> 60) == 0xD && (t << 4) != 0) {
-    column = 13;
-  } else {
-    const int ones = leading_zeros64(~t);
-    column = 1 + (ones < 11 ? ones : 11);
-  }
-  out.cell = (e - F::kESub) * kHealthColumns + column;
+  out.cell = (e - F::kESub) * kHealthColumns + health_column(fraction << (64 - F::kM));
   return out;
 }
 

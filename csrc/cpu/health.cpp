@@ -6,6 +6,8 @@
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <limits>
 #include <mutex>
 #include <tuple>
@@ -18,6 +20,16 @@ namespace torchcast {
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;
+constexpr int64_t kFlush = int64_t{1} << 30;  // elements per flush of the uint32 histograms
+
+const uint8_t* column_table() {
+  static const auto table = [] {
+    std::array<uint8_t, 1 << kFractionIndexBits> t{};
+    for (uint32_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(column_of_index(i));
+    return t;
+  }();
+  return table.data();
+}
 
 template <typename F, typename Scalar>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> health_of(const at::Tensor& x) {
@@ -33,25 +45,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> health_of(const at::Tensor& x) {
   Bits max_u = 0, min_u = F::kMagnitude;  // kMagnitude: a NaN pattern, above every finite
   std::mutex merge;
   at::parallel_for(0, xc.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> local(F::kRows * kHealthColumns, 0);
+    // uint32 counts, flushed before they could wrap; the column from a table
+    // (computing it takes several times the rest of the loop).
+    constexpr int kCells = F::kRows * kHealthColumns;
+    const uint8_t* columns = column_table();
+    std::vector<uint32_t> sub(kCells, 0);
+    std::vector<int64_t> local(kCells, 0);
     int64_t local_counts[kHealthCounts] = {0, 0, 0, 0, 0};
     Bits local_max = 0, local_min = F::kMagnitude;
-    for (int64_t i = begin; i < end; ++i) {
-      const Bits bits = p[i];
-      const HealthElement el = classify_health<F>(bits);
-      if (el.kind != kHealthFiniteNonzero) {
-        ++local_counts[el.kind];
-        continue;
+    for (int64_t block = begin; block < end; block += kFlush) {
+      const int64_t stop = std::min(end, block + kFlush);
+      for (int64_t i = block; i < stop; ++i) {
+        const Bits bits = p[i];
+        const Bits u = bits & F::kMagnitude;
+        if (C10_LIKELY(is_normal<F>(u))) {
+          ++sub[normal_row<F>(u) * kHealthColumns + columns[fraction_index<F>(u)]];
+        } else {
+          const HealthElement el = classify_health<F>(bits);
+          if (el.kind != kHealthFiniteNonzero) {
+            ++local_counts[el.kind];
+            continue;
+          }
+          ++local_counts[kSubnormalCount];
+          ++sub[el.cell];
+        }
+        local_max = u > local_max ? u : local_max;
+        local_min = u < local_min ? u : local_min;
       }
-      local_counts[kSubnormalCount] += el.subnormal;
-      ++local[el.cell];
-      const Bits u = bits & F::kMagnitude;
-      local_max = u > local_max ? u : local_max;
-      local_min = u < local_min ? u : local_min;
+      for (int k = 0; k < kCells; ++k) {
+        local[k] += sub[k];
+        sub[k] = 0;
+      }
     }
     std::lock_guard<std::mutex> lock(merge);
     for (int k = 0; k < kHealthCounts; ++k) total_counts[k] += local_counts[k];
-    for (size_t k = 0; k < local.size(); ++k) total_hist[k] += local[k];
+    for (int k = 0; k < kCells; ++k) total_hist[k] += local[k];
     max_u = local_max > max_u ? local_max : max_u;
     min_u = local_min < min_u ? local_min : min_u;
   });
