@@ -1,4 +1,5 @@
-"""Overhead of torchcast.track(all_casts=True) on a real training step.
+"""Overhead of torchcast.track on a real training step: all_casts=True, and
+with --watch the numerics watch (nonfinite="record", health=True).
 
 One forward and backward of a 4-layer nn.TransformerEncoder (train mode,
 dropout on), without and with tracking, interleaved round by round in one
@@ -18,7 +19,8 @@ nobody here wrote (benchmarks/thirdparty.py says how to install them):
 torchvision's resnet18 (batch 4 of 3x112x112 images) and a 2-layer GPT-2
 (batch 4 of 64 tokens), under bfloat16 autocast.
 
-    PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T] [--models] [--append]
+    PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T] [--models] [--watch]
+        [--append]
 """
 import argparse
 import os
@@ -77,25 +79,37 @@ def step(model, x, autocast):
     model.zero_grad(set_to_none=True)
 
 
-def tracked_step(model, x, autocast, policy):
-    with torchcast.track(all_casts=True, policy=policy):
+# What a row tracks: its label and track()'s arguments.
+TRACKS = {
+    "record": dict(all_casts=True, policy="record"),
+    "warn": dict(all_casts=True, policy="warn"),
+    "nonfinite": dict(nonfinite="record"),
+    "health": dict(health=True),
+    "nonfinite+health": dict(nonfinite="record", health=True),
+}
+
+
+def tracked_step(model, x, autocast, options):
+    with torchcast.track(**options) as report:
         step(model, x, autocast)
+    report.health  # reading the module health is part of its cost
+    return report
 
 
-def measure(size, autocast, policy, rounds):
+def measure(size, autocast, tracking, rounds):
+    options = TRACKS[tracking]
     model, x = make(size)
     counter = _CountOps()
     with counter:
         step(model, x, autocast)
-    with torchcast.track(all_casts=True, policy=policy) as report:
-        step(model, x, autocast)
+    report = tracked_step(model, x, autocast, options)
     casts = sum(r.calls for r in report.records)
     for _ in range(2):  # warm-up
         step(model, x, autocast)
-        tracked_step(model, x, autocast, policy)
+        tracked_step(model, x, autocast, options)
     base, ours, ratios, extra = [], [], [], []
     cpu_ratios = []
-    runs = (lambda: step(model, x, autocast), lambda: tracked_step(model, x, autocast, policy))
+    runs = (lambda: step(model, x, autocast), lambda: tracked_step(model, x, autocast, options))
     for i in range(rounds):
         wall, cpu = [0.0, 0.0], [0.0, 0.0]
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate the order: drift cancels
@@ -109,10 +123,14 @@ def measure(size, autocast, policy, rounds):
         cpu_ratios.append(cpu[1] / cpu[0])
     b, o = statistics.median(base), statistics.median(ours)
     return {"size": size, "precision": "bf16 autocast" if autocast else "float32",
-            "policy": policy, "ops": counter.n, "casts": casts, "base_ms": b * 1e3,
+            "tracking": tracking, "ops": counter.n, "casts": casts, "base_ms": b * 1e3,
             "ours_ms": o * 1e3, "ratio": statistics.median(ratios),
             "cpu_ratio": statistics.median(cpu_ratios),
             "us_per_op": statistics.median(extra) / counter.n * 1e6}
+
+
+_TRACK_LABELS = {name: ", ".join(f"{k}={v!r}" for k, v in options.items())
+                 for name, options in TRACKS.items()}
 
 
 def main():
@@ -124,6 +142,9 @@ def main():
     parser.add_argument("--append", action="store_true", help="add the table to --out")
     parser.add_argument("--models", action="store_true",
                         help="also resnet18 and GPT-2 (installed as benchmarks/thirdparty.py says)")
+    parser.add_argument("--watch", action="store_true",
+                        help="the numerics watch (nonfinite='record', health=True, both) "
+                             "instead of all_casts tracking")
     protocol.add_arguments(parser)
     opts = parser.parse_args()
     run = protocol.Run(opts.force)
@@ -131,13 +152,19 @@ def main():
     run.copy_bandwidth(protocol.copy_bandwidth(opts.rounds), opts.threads, 2 * 4 << 25)
     command = "PYTHONPATH=. python " + " ".join(["benchmarks/bench_track.py"] + sys.argv[1:])
     # The float32 "small" step is the slowest by far (no bfloat16 matrix units): last.
-    configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),
-               ("tiny", True, "record"), ("small", False, "record")]
+    if opts.watch:
+        configs = [(size, True, t) for size in ("small", "tiny")
+                   for t in ("nonfinite", "health", "nonfinite+health")]
+    else:
+        configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),
+                   ("tiny", True, "record"), ("small", False, "record")]
     if opts.models:
         if not thirdparty.available():
             sys.exit("--models: resnet18 and GPT-2 are not installed; see benchmarks/thirdparty.py")
-        configs += [("resnet18", True, "record"), ("gpt2", True, "record")]
-    rows = [measure(size, autocast, policy, opts.rounds) for size, autocast, policy in configs]
+        configs += [(m, True, t) for m in ("resnet18", "gpt2")
+                    for t in (("nonfinite", "health", "nonfinite+health") if opts.watch
+                              else ("record",))]
+    rows = [measure(size, autocast, tracking, opts.rounds) for size, autocast, tracking in configs]
     lines = [
         f"`{command}` — torch {torch.__version__}, torch.set_num_threads({opts.threads}), "
         f"{opts.rounds} interleaved rounds (order alternating), medians; model: "
@@ -145,7 +172,7 @@ def main():
         "train mode, forward + backward; the tracked step "
         f"includes entering and leaving track(). {run.summary()}",
         "",
-        "| model | precision | policy | ops/step | casts/step "
+        "| model | precision | tracking | ops/step | casts/step "
         "| plain step | tracked step | ratio (median) | CPU-time ratio (median) "
         "| overhead per op (median) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -153,7 +180,7 @@ def main():
     for r in rows:
         lines.append(
             f"| {r['size']} {SIZES.get(r['size']) or MODELS[r['size']]} | {r['precision']} "
-            f"| {r['policy']} | {r['ops']} "
+            f"| {_TRACK_LABELS[r['tracking']]} | {r['ops']} "
             f"| {r['casts']} | {r['base_ms']:.1f} ms | {r['ours_ms']:.1f} ms "
             f"| {r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['us_per_op']:.1f} us |")
     table = "\n".join(lines)

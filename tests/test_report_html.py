@@ -189,3 +189,25 @@ def test_tensorboard_summary_writer(report, tmp_path):
     report.to_tensorboard(writer, 1)
     writer.close()
     assert any(name.startswith("events.out") for name in os.listdir(tmp_path))
+
+
+def test_cli_health_and_html(tmp_path):
+    import subprocess
+    import textwrap
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).half()
+        with torch.no_grad():
+            model[0].weight.fill_(300.0)
+        model(torch.full((2, 8), 30.0, dtype=torch.float16)).float().sum().backward()
+    """))
+    out = tmp_path / "report.html"
+    run = subprocess.run([sys.executable, "-m", "torchcast", "track", "--nonfinite", "record",
+                          "--health", "--html", str(out), str(script)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "aten::addmm made 16 +inf" in run.stderr
+    assert "numeric health of" in run.stderr and f"HTML report written to {out}" in run.stderr
+    page = parse(out.read_text(encoding="utf-8"))
+    assert [c for t, c in page.classes if t == "rect" and c.split()[0] == "bar"]
