@@ -3,12 +3,25 @@ subnormals, keeps amax and the smallest nonzero magnitude, and histograms
 the elements by binade and by the leading bits of their fraction (exact
 enough to predict any cast to float16, bfloat16 or float8 at a power-of-two
 scale: torchcast/headroom.py)."""
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple
 
 import torch
 
 from . import _ops
 from ._reference.health import COLUMNS, binade_range
+
+
+class HealthValues(NamedTuple):
+    """A TensorHealth's counts and extrema, read (``TensorHealth.read()``)."""
+
+    nan: int
+    posinf: int
+    neginf: int
+    zero: int
+    subnormal: int
+    numel: int
+    amax: float
+    min_nonzero: float  # inf when there is no nonzero finite element
 
 
 class TensorHealth:
@@ -60,33 +73,37 @@ class TensorHealth:
                             self.extrema.clone()).add_(other)
 
     # -- reading (each a sync) ----------------------------------------------------
-    def _count(self, i):
-        return int(self.counts[i])
+    def read(self) -> "HealthValues":
+        """Every count and extremum, read in one transfer."""
+        counts = self.counts.tolist()
+        amax, low = self.extrema.tolist()
+        numel = sum(counts[:4]) + int(self.hist.sum())
+        return HealthValues(*counts, numel, amax, low)
 
     @property
     def nan(self) -> int:
-        return self._count(0)
+        return self.read().nan
 
     @property
     def posinf(self) -> int:
-        return self._count(1)
+        return self.read().posinf
 
     @property
     def neginf(self) -> int:
-        return self._count(2)
+        return self.read().neginf
 
     @property
     def zero(self) -> int:
-        return self._count(3)
+        return self.read().zero
 
     @property
     def subnormal(self) -> int:
-        return self._count(4)
+        return self.read().subnormal
 
     @property
     def numel(self) -> int:
         """Every element measured: NaN, inf, zeros and the histogram's."""
-        return int(self.counts[:4].sum() + self.hist.sum())
+        return self.read().numel
 
     @property
     def amax(self) -> float:
@@ -157,4 +174,4 @@ def tensor_health(x: torch.Tensor) -> TensorHealth:
     return TensorHealth(x.dtype, counts, hist, extrema)
 
 
-__all__ = ["TensorHealth", "tensor_health"]
+__all__ = ["HealthValues", "TensorHealth", "tensor_health"]

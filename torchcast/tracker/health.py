@@ -11,6 +11,7 @@ stay tensors on the device, merged per (module, phase, dtype), until read.
 import dataclasses
 import math
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -59,8 +60,11 @@ class HealthWatch:
 
     def __init__(self):
         self.entries: Dict[Tuple[Optional[str], str, torch.dtype], TensorHealth] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.active = False
+        # (weakref to the tensor, its version, its measure, its gradient hook):
+        # the output measured last.
+        self._last = None
 
     def start(self) -> None:
         self.active = True
@@ -70,28 +74,50 @@ class HealthWatch:
         self.active = False
         remove_output_listener(self.on_output)
 
-    def _add(self, module, phase, t):
+    def _add(self, module, phase, dtype, measured, owned):
+        """Merges ``measured`` into an entry; a new entry takes it as it is
+        when ``owned`` (no other entry holds it), else a copy."""
+        key = (module, phase, dtype)
+        with unwatched(), self.lock:
+            known = self.entries.get(key)
+            if known is None:
+                self.entries[key] = measured if owned else \
+                    measured.merge(TensorHealth.empty(dtype, measured.hist.device))
+            else:
+                known.add_(measured)
+
+    def measure(self, modules: List[Optional[str]], phase: str, t: torch.Tensor) -> None:
+        """Measures ``t`` once, for each of ``modules``."""
         with unwatched():
             measured = tensor_health(t.detach())
-            key = (module, phase, t.dtype)
-            with self.lock:
-                known = self.entries.get(key)
-                if known is None:
-                    self.entries[key] = measured
-                    return
-                known.add_(measured)
+        for i, module in enumerate(modules):
+            self._add(module, phase, t.dtype, measured, owned=i == 0)
 
     def on_output(self, module: Optional[str], output: Any) -> None:
         """The module hooks' listener: measures each floating output, and
-        hooks its gradient."""
+        hooks its gradient. A tensor that is also the output of the module
+        just measured (a container returning its last child's output) is not
+        measured again: its measure and its gradient hook are shared."""
         if not self.active:
             return
         for t in tree_flatten(output)[0]:
             if type(t) not in _PLAIN_TYPES or not t.is_floating_point() or t.numel() == 0:
                 continue
-            self._add(module, "forward", t)
+            last = self._last
+            if last is not None and last[0]() is t and last[1] == t._version:
+                _, _, measured, hook = last
+                self._add(module, "forward", t.dtype, measured, owned=False)
+                if hook is not None:
+                    hook.modules.append(module)
+                continue
+            with unwatched():
+                measured = tensor_health(t.detach())
+            self._add(module, "forward", t.dtype, measured, owned=True)
+            hook = None
             if t.requires_grad and torch.is_grad_enabled():
-                t.register_hook(_GradHook(self, module))
+                hook = _GradHook(self, module)
+                t.register_hook(hook)
+            self._last = (weakref.ref(t), t._version, measured, hook)
 
     @classmethod
     def from_dicts(cls, rows: List[Dict[str, Any]]) -> "HealthWatch":
@@ -113,24 +139,25 @@ class HealthWatch:
 
 
 class _GradHook:
-    """Measures the gradient reaching a module's output (returns None: the
-    gradient passes unchanged)."""
+    """Measures the gradient reaching a module's output, for that module and
+    the containers that returned the same tensor (returns None: the gradient
+    passes unchanged)."""
 
-    __slots__ = ("watch", "module")
+    __slots__ = ("watch", "modules")
 
     def __init__(self, watch, module):
-        self.watch, self.module = watch, module
+        self.watch, self.modules = watch, [module]
 
     def __call__(self, grad):
         if self.watch.active and grad is not None and grad.numel():
-            self.watch._add(self.module, "backward", grad)
+            self.watch.measure(self.modules, "backward", grad)
 
 
 def _severity(row: ModuleHealth):
-    h = row.health
-    numel = max(h.numel, 1)
-    lost = (h.zero + h.subnormal) / numel
-    return (-(h.nan + h.posinf + h.neginf), row.binades_to_overflow(), -lost)
+    h = row.health.read()
+    lost = (h.zero + h.subnormal) / max(h.numel, 1)
+    room = math.log2(torch.finfo(row.dtype).max / h.amax) if h.amax > 0 else math.inf
+    return (-(h.nan + h.posinf + h.neginf), room, -lost)
 
 
 @dataclasses.dataclass
@@ -214,7 +241,7 @@ def health_lines(watch: HealthWatch) -> List[str]:
     table = [("module", "phase", "dtype", "elements", "amax", "binades to max", "min nonzero",
               "nan/inf", "zero", "subnormal")]
     for r in rows:
-        h = r.health
+        h = r.health.read()
         n = max(h.numel, 1)
         room = r.binades_to_overflow()
         table.append((r.module or "-", r.phase, short_dtype_name(r.dtype), str(h.numel),

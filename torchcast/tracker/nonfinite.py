@@ -38,10 +38,17 @@ ACTIONS = ("raise", "record", "warn")
 PENDING_LIMIT = 256
 _CAST_WITH_STATS = torch.ops.torchcast.cast_with_stats.default
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-# Ops whose outputs are uninitialized memory (any bits, NaN among them) or
-# that only relabel their input's memory.
-_UNCHECKED = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                        "resize_", "set_", "detach", "alias", "lift_fresh"))
+# Ops not checked: those whose outputs are uninitialized memory (any bits,
+# NaN among them) or relabel their input's memory, and those that only move,
+# select or zero values (or fill in a Python number, which is an input): their
+# outputs hold NaN/inf only if an input did, so they are never an origin.
+_UNCHECKED = frozenset((
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
+    "detach", "alias", "lift_fresh", "_unsafe_view",
+    "clone", "contiguous", "cat", "stack", "gather", "index_select", "select_backward",
+    "slice_backward", "relu", "relu_", "threshold_backward", "bernoulli_", "zero_", "fill_",
+    "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "masked_fill",
+    "masked_fill_"))
 _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
           torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32,
           torch.float32: torch.float64}
@@ -147,6 +154,23 @@ def _dtype_from_str(name):
     return getattr(torch, name.replace("torch.", ""))
 
 
+_Tensor = torch.Tensor
+_SKIP, _CHECK, _FIRST_OUTPUT = "skip", "check", "first output"
+_op_kinds = {}  # id(op) -> one of the above: OpOverload's __hash__ is Python code
+
+
+def _op_kind(func) -> str:
+    """Which of an op's outputs after_op checks."""
+    namespace = getattr(func, "namespace", None)
+    if namespace in ("torchcast", "torchcast_track"):
+        # torchcast's ops: only safe_to's cast result, not its stats nor the
+        # tracker's own measures.
+        return _FIRST_OUTPUT if func is _CAST_WITH_STATS else _SKIP
+    if op_name(func) in _UNCHECKED or getattr(func, "is_view", False):
+        return _SKIP
+    return _CHECK
+
+
 def _floating(t):
     return type(t) in _PLAIN_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
@@ -247,15 +271,18 @@ class NonFiniteWatch:
             inputs_bad: ``inputs_nonfinite`` before an in-place op ran, else None.
             frame: the frame the dispatch mode was called from.
         """
-        namespace = getattr(func, "namespace", None)
-        if namespace in ("torchcast", "torchcast_track"):
-            # torchcast's ops: only safe_to's cast result, not its stats
-            # (whose maxima are inf for an overflow) nor the tracker's measures.
-            if func is not _CAST_WITH_STATS:
-                return
+        kind = _op_kinds.get(id(func))
+        if kind is None:
+            kind = _op_kinds[id(func)] = _op_kind(func)
+        if kind is _SKIP:
+            return
+        if kind is _FIRST_OUTPUT:  # safe_to's cast: its result, not its stats (inf for an overflow)
             out = out[0]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _floating(t)]
-        if not outs or op_name(func) in _UNCHECKED or getattr(func, "is_view", False):
+        if type(out) is _Tensor:  # most ops: no pytree walk
+            outs = [out] if _floating(out) else []
+        else:
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _floating(t)]
+        if not outs:
             return
         device = outs[0].device
         if checked_at_once(device):
