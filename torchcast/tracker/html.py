@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._reference.health import format_exponents
+from .sites import short_path
 
 WINDOW_FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _CSS = """
@@ -33,6 +34,10 @@ svg text { font: 10px system-ui, sans-serif; fill: #4a5468; }
 .window.normal { fill: #2f9e6b; opacity: 0.55; } .window.subnormal { fill: #2f9e6b; opacity: 0.2; }
 .amax { stroke: #b3261e; stroke-dasharray: 3 2; }
 """
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _e(value: Any) -> str:
@@ -69,12 +74,12 @@ def _origins(data: Dict[str, Any]) -> str:
     origins = data.get("nonfinite")
     if origins is None:
         return ""
-    parts = [f"<h2>Where NaN/inf first appeared ({len(origins)} ops; "
-             f"{_e(data.get('propagated', 0))} op calls only passed them on)</h2>"]
+    parts = [f"<h2>Where NaN/inf first appeared ({_count(len(origins), 'op')}; "
+             f"{_e(_count(data.get('propagated', 0), 'op call'))} only passed them on)</h2>"]
     for o in origins:
         counts = ", ".join(f"{o[k]} {label}" for k, label in
                            (("nan", "NaN"), ("posinf", "+inf"), ("neginf", "-inf")) if o[k])
-        where = f"{o['file']}:{o['line']}" + (f" via {o['via']}" if o.get("via") else "")
+        where = f"{short_path(o['file'])}:{o['line']}" + (f" via {o['via']}" if o.get("via") else "")
         phase = o["phase"] + (f" ({o['node']})" if o.get("node") else "")
         inputs = "; ".join(f"{_short(i['dtype'])}{i['shape']} amax {_number(i['amax'])}"
                            for i in o["inputs"]) or "no floating inputs"
@@ -238,7 +243,7 @@ def render_html(data: Dict[str, Any]) -> str:
     origins = data.get("nonfinite")
     summary = [f"{len(records)} cast sites, {bad} with violations"]
     if origins is not None:
-        summary.append(f"{len(origins)} ops made NaN/inf from finite inputs")
+        summary.append(f"{_count(len(origins), 'op')} made NaN/inf from finite inputs")
     if data.get("health"):
         summary.append(f"{len(data['health'])} module outputs and gradients measured")
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -505,8 +505,8 @@ def _nonfinite_lines(report: Report) -> List[str]:
     if report.nonfinite_watch is None:
         return []
     origins = report.nonfinite
-    lines = [f"torchcast.track: {len(origins)} ops made NaN/inf from finite inputs "
-             f"(in order), {report.propagated} op calls passed NaN/inf on"]
+    lines = [f"torchcast.track: {len(origins)} op{'' if len(origins) == 1 else 's'} made NaN/inf "
+             f"from finite inputs (in order), {report.propagated} op calls passed NaN/inf on"]
     for o in origins:
         calls = f" [{o.count} calls]" if o.count > 1 else ""
         lines.append(f"  {o.describe()}{calls}")
