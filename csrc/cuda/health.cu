@@ -15,8 +15,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "../cast_common.h"
-#include "../health.h"
+#include "../health_dispatch.h"
 
 namespace torchcast {
 namespace {
@@ -124,18 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> health_of(const at::Tensor& x) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tensor_health_cuda(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kDouble: return health_of<HealthF64, double>(x);
-    case at::kFloat: return health_of<HealthF32, float>(x);
-    case at::kHalf: return health_of<HealthF16, c10::Half>(x);
-    case at::kBFloat16: return health_of<HealthBF16, c10::BFloat16>(x);
-    case at::kFloat8_e4m3fn: return health_of<HealthE4M3, c10::Float8_e4m3fn>(x);
-    case at::kFloat8_e5m2: return health_of<HealthE5M2, c10::Float8_e5m2>(x);
-    default:
-      TORCH_CHECK_TYPE(false, "torchcast.tensor_health: x is ", dtype_name(x.scalar_type()),
-                       "; supported dtypes: torch.float64, torch.float32, torch.float16, "
-                       "torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2");
-  }
+  return visit_health_dtype(x, [&]<typename F, typename Scalar>() { return health_of<F, Scalar>(x); });
 }
 
 }  // namespace
