@@ -16,10 +16,9 @@ import torchcast
 from torchcast.tracker.html import render_html
 from torchcast.tracker.tensorboard import write_tensorboard
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import screenshot  # noqa: E402
+import chromium  # tests/chromium.py
 
-needs_chromium = pytest.mark.skipif(screenshot.chromium() is None,
+needs_chromium = pytest.mark.skipif(chromium.chromium() is None,
                                     reason="chromium not installed (apt-get install chromium)")
 
 
@@ -113,7 +112,7 @@ def test_renders_from_saved_json(report):
 def test_chromium_loads_it(report, tmp_path):
     path, png = tmp_path / "report.html", tmp_path / "report.png"
     report.to_html(str(path))
-    rendered = screenshot.render(str(path), str(png), size="1000,1400")
+    rendered = chromium.render(str(path), str(png), size="1000,1400")
     assert rendered.console_errors == []
     dom = parse(rendered.dom)
     data = report.to_dict()

@@ -1,64 +1,25 @@
-"""Renders an HTML file with headless Chromium (Debian's ``chromium``
-package): a PNG screenshot, the DOM after loading, and the console errors.
+"""A screenshot of an HTML file, with headless Chromium (tests/chromium.py).
 
-    python tools/screenshot.py REPORT.html OUT.png [--size 1200,1800]
+    python tools/screenshot.py REPORT.html OUT.png [--size 1200,1400]
 
-tests/test_report_html.py uses ``render``; docs/report.png was made with the
-command above from the report written by ``python tools/report_example.py``.
+docs/report.png: ``PYTHONPATH=. python tools/report_example.py /tmp/report.html``, then
+``python tools/screenshot.py /tmp/report.html docs/report.png``.
 """
 import argparse
 import os
-import re
-import shutil
-import subprocess
-from typing import List, NamedTuple, Optional
+import sys
 
-_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-          "--enable-logging=stderr", "--v=0"]
-
-
-class Rendered(NamedTuple):
-    dom: str  # the page's DOM as Chromium serializes it after loading
-    console_errors: List[str]  # the page's console errors (none for a clean page)
-
-
-def chromium() -> Optional[str]:
-    """The Chromium executable on PATH, or None."""
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def render(html_path: str, png_path: Optional[str] = None, size: str = "1200,1800",
-           timeout: float = 120) -> Rendered:
-    """Loads ``html_path`` in headless Chromium; with ``png_path`` also writes
-    a screenshot of ``size`` ("width,height") pixels."""
-    exe = chromium()
-    if exe is None:
-        raise FileNotFoundError("chromium not installed (apt-get install chromium)")
-    url = "file://" + os.path.abspath(html_path)
-    dump = subprocess.run([exe, *_FLAGS, "--dump-dom", url], capture_output=True, text=True,
-                          timeout=timeout, check=True)
-    if "Page load failed" in dump.stderr:
-        raise RuntimeError(f"chromium could not load {url}: {dump.stderr.strip()[-300:]}")
-    errors = [line for line in dump.stderr.splitlines()
-              if re.search(r"CONSOLE|Uncaught|Failed to load", line)]
-    if png_path is not None:
-        png_path = os.path.abspath(png_path)
-        if os.path.exists(png_path):
-            os.remove(png_path)
-        subprocess.run([exe, *_FLAGS, f"--screenshot={png_path}", f"--window-size={size}", url],
-                       capture_output=True, timeout=timeout, check=True)
-        if not os.path.exists(png_path):
-            raise RuntimeError(f"chromium wrote no screenshot of {url}")
-    return Rendered(dump.stdout, errors)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import chromium  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("html")
     parser.add_argument("png")
-    parser.add_argument("--size", default="1200,1800")
+    parser.add_argument("--size", default="1200,1400")
     opts = parser.parse_args()
-    rendered = render(opts.html, opts.png, opts.size)
+    rendered = chromium.render(opts.html, opts.png, opts.size)
     for line in rendered.console_errors:
         print(line)
     print(f"wrote {opts.png}")
