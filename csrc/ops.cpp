@@ -4,10 +4,12 @@
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include "all_finite.h"
 #include "cast_common.h"
+#include "nonfinite_watch.h"
 #include "numerics.h"
 #include "program_casts.h"
 #include "thread_casts.h"
@@ -68,6 +70,39 @@ PyObject* all_finite(PyObject*, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* start_nonfinite_watch(PyObject*, PyObject* args) {
+  PyObject* callback = nullptr;
+  PyObject* skip = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &callback, &skip)) return nullptr;
+  if (!PyCallable_Check(callback)) {
+    PyErr_SetString(PyExc_TypeError, "start_nonfinite_watch: expected a callable");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  std::vector<std::string> names;
+  for (const auto& name : pybind11::reinterpret_borrow<pybind11::iterable>(skip)) {
+    names.push_back(name.cast<std::string>());
+  }
+  torchcast::start_nonfinite_watch(callback, names);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* stop_nonfinite_watch(PyObject*, PyObject*) {
+  torchcast::stop_nonfinite_watch();
+  Py_RETURN_NONE;
+}
+
+PyObject* take_propagated(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(torchcast::take_propagated());
+}
+
+PyObject* pause_nonfinite_watch(PyObject*, PyObject* flag) {
+  const int pause = PyObject_IsTrue(flag);
+  if (pause < 0) return nullptr;
+  return PyBool_FromLong(torchcast::pause_nonfinite_watch(pause != 0));
+}
+
 PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
   const int tracked = PyObject_IsTrue(flag);
   if (tracked < 0) return nullptr;
@@ -87,6 +122,16 @@ PyMethodDef methods[] = {
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
     {"all_finite", all_finite, METH_O,
      "Whether every element of a CPU tensor is finite (csrc/cpu/all_finite.cpp)."},
+    {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,
+     "Checks this thread's CPU ops for NaN/inf made from finite inputs, calling "
+     "callback(op, overload, outputs, inputs) at each (csrc/cpu/nonfinite_watch.cpp)."},
+    {"stop_nonfinite_watch", stop_nonfinite_watch, METH_NOARGS,
+     "Stops this thread's non-finite watch."},
+    {"take_propagated", take_propagated, METH_NOARGS,
+     "Op calls that made NaN/inf only from non-finite inputs, since the last call."},
+    {"pause_nonfinite_watch", pause_nonfinite_watch, METH_O,
+     "Pauses (True) or resumes the non-finite watch in this thread; returns whether it was "
+     "paused."},
     {"set_thread_tracked", set_thread_tracked, METH_O,
      "Marks this thread as covered by a track's dispatch mode (csrc/thread_casts.cpp)."},
     {nullptr, nullptr, 0, nullptr},

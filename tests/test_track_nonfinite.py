@@ -14,9 +14,21 @@ import pytest
 import torch
 
 import torchcast
+from torchcast import _ops
 from torchcast.tracker import nonfinite
 
 LINE = {}
+
+
+@pytest.fixture(params=["cpp", "mode"])
+def path(request, monkeypatch):
+    """Which check serves "record" and "warn": the C++ per-op callback (CPU
+    programs, with the extension) or the dispatch mode ("raise", CUDA)."""
+    if request.param == "cpp" and not _ops.WITH_EXTENSION:
+        pytest.skip("the C++ check is part of the compiled extension")
+    if request.param == "mode":
+        monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
+    return request.param
 
 
 def _mark(name):
@@ -53,7 +65,7 @@ def _counts(t):
     return int(np.isnan(a).sum()), int(np.isposinf(a).sum()), int(np.isneginf(a).sum())
 
 
-def test_forward_overflow_in_float16_linear():
+def test_forward_overflow_in_float16_linear(path):
     model = Wide().half()
     x = torch.randn(4, 64).half() * 10
     with torchcast.track(nonfinite="record") as report:
@@ -75,7 +87,7 @@ def test_forward_overflow_in_float16_linear():
     assert "aten::addmm made" in str(report)
 
 
-def test_nan_from_log_of_a_negative_in_a_user_function():
+def test_nan_from_log_of_a_negative_in_a_user_function(path):
     x = torch.tensor([[2.0, 0.5, 3.0], [1.5, 4.0, 0.25]], requires_grad=True)
     with torchcast.track(nonfinite="record") as report:
         loss = Scorer()(x)
@@ -90,7 +102,7 @@ def test_nan_from_log_of_a_negative_in_a_user_function():
     assert torch.isnan(loss)
 
 
-def test_overflow_only_in_backward():
+def test_overflow_only_in_backward(path):
     model = Wide().half()
     with torch.no_grad():
         model.fc.weight.div_(40)  # forward stays finite
@@ -105,7 +117,7 @@ def test_overflow_only_in_backward():
     assert origin.line == LINE["backward"]
     assert torch.isinf(x.grad).any()
     # the mm of the incoming gradient and the weight, in float64:
-    grad_in = torch.full((4, 256), 3000.0, dtype=torch.float64) @ model.fc.weight.double()
+    grad_in = torch.full((4, 256), 3000.0, dtype=torch.float64) @ model.fc.weight.detach().double()
     assert float(grad_in.abs().max()) > 65504
     assert (origin.nan, origin.posinf, origin.neginf) == _counts(x.grad)
 
@@ -133,7 +145,7 @@ def test_raise_in_backward():
     assert info.value.phase == "backward" and info.value.node == "AddmmBackward0"
 
 
-def test_warn_once_per_place():
+def test_warn_once_per_place(path):
     x = torch.tensor([0.5, 2.0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -145,7 +157,7 @@ def test_warn_once_per_place():
     assert report.first_nonfinite.count == 3
 
 
-def test_nonfinite_inputs_only_propagate():
+def test_nonfinite_inputs_only_propagate(path):
     x = torch.tensor([1.0, float("nan"), 3.0])
     with torchcast.track(nonfinite="record") as report:
         (x * 2).exp().sum()
@@ -155,7 +167,7 @@ def test_nonfinite_inputs_only_propagate():
     assert report.propagated == 3  # mul, exp, sum (masked_fill only places its fill value)
 
 
-def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin():
+def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin(path):
     scores = torch.randn(2, 3)
     scores[0] = float("-inf")
     with torchcast.track(nonfinite="record") as report:
@@ -163,7 +175,7 @@ def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin():
     assert torch.isnan(out[0]).all() and report.nonfinite == [] and report.propagated == 1
 
 
-def test_in_place_op_reads_its_inputs_before_overwriting_them():
+def test_in_place_op_reads_its_inputs_before_overwriting_them(path):
     x = torch.full((5,), 1e30)
     with torchcast.track(nonfinite="record") as report:
         x.mul_(1e10)
@@ -173,7 +185,7 @@ def test_in_place_op_reads_its_inputs_before_overwriting_them():
     assert report.propagated == 1
 
 
-def test_overflowing_cast_is_an_origin():
+def test_overflowing_cast_is_an_origin(path):
     x = torch.tensor([1.0, 7e4, -1e5])
     with torchcast.track(nonfinite="record") as report:
         x.half()
@@ -182,7 +194,7 @@ def test_overflowing_cast_is_an_origin():
     assert "65504" in origin.note
 
 
-def test_all_casts_and_nonfinite_together():
+def test_all_casts_and_nonfinite_together(path):
     x = torch.tensor([1.0, 7e4])
     with torchcast.track(all_casts=True, policy="record", nonfinite="record") as report:
         x.half()
@@ -197,7 +209,7 @@ def test_without_nonfinite_nothing_is_checked():
     assert "NaN/inf" not in str(report)
 
 
-def test_program_behaviour_is_unchanged():
+def test_program_behaviour_is_unchanged(path):
     model = Wide().half()
     x = torch.randn(4, 64).half() * 10
     plain = model(x)
@@ -228,7 +240,7 @@ def test_deferred_flags_path(monkeypatch):
             model(x)
 
 
-def test_json_round_trip():
+def test_json_round_trip(path):
     with torchcast.track(nonfinite="record") as report:
         log_score(torch.tensor([0.5, 2.0]))
     data = json.loads(report.to_json())
@@ -242,7 +254,7 @@ def test_bad_action():
         torchcast.track(nonfinite="stop")
 
 
-def test_compiled_function_still_compiles_and_runs():
+def test_compiled_function_still_compiles_and_runs(path):
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
@@ -277,9 +289,17 @@ def test_cli_nonfinite_raise(tmp_path):
     assert "train.py:4" in run.stderr
 
 
-def test_safe_to_overflow_is_an_origin_and_its_stats_are_not():
+def test_safe_to_overflow_is_an_origin_and_its_stats_are_not(path):
     x = torch.tensor([1.0, 7e4])
     with torchcast.track(nonfinite="record") as report:
         torchcast.safe_to(x, torch.float16, policy="ignore")
     assert [o.op for o in report.nonfinite] == ["torchcast::cast_with_stats"]
     assert report.first_nonfinite.posinf == 1
+
+
+def test_record_and_warn_take_the_cpp_check_raise_the_mode(path):
+    with torchcast.track(nonfinite="record") as report:
+        served = report.nonfinite_watch in getattr(nonfinite._cpp, "watches", ())
+    assert served == (path == "cpp")
+    with torchcast.track(nonfinite="raise") as report:
+        assert report.nonfinite_watch not in getattr(nonfinite._cpp, "watches", ())

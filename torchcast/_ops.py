@@ -34,6 +34,14 @@ set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracke
 # all_finite(t): whether every element of a CPU tensor is finite, read in C++
 # (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
 all_finite = _C.all_finite if WITH_EXTENSION else (lambda t: bool(torch.isfinite(t).all()))
+# The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
+# start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),
+# take_propagated(), pause_nonfinite_watch(paused) -> whether it was paused.
+# None without the extension.
+start_nonfinite_watch = _C.start_nonfinite_watch if WITH_EXTENSION else None
+stop_nonfinite_watch = _C.stop_nonfinite_watch if WITH_EXTENSION else None
+take_propagated = _C.take_propagated if WITH_EXTENSION else (lambda: 0)
+pause_nonfinite_watch = _C.pause_nonfinite_watch if WITH_EXTENSION else (lambda paused: False)
 
 
 def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from . import compiled
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .health import HealthWatch
+from . import nonfinite
 from .nonfinite import NonFiniteError, NonFiniteOrigin, NonFiniteWarning, NonFiniteWatch, check_action
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
@@ -53,6 +54,7 @@ class _Recording:
         self.warned = set()
         self.spool = None  # where a forked worker leaves its records (threads.py)
         self.watch = None  # the non-finite watch of track(nonfinite=...)
+        self.watch_in_cpp = False  # served by the C++ watch (nonfinite.checked_in_cpp)
         self.health = None  # the module health of track(health=True)
 
     def _in_worker(self):
@@ -175,7 +177,7 @@ class track:
                  rtol: Optional[float] = None, atol: Optional[float] = None,
                  violations: ViolationsSpec = None, nonfinite: Optional[str] = None,
                  health: bool = False):
-        self.nonfinite = check_action(nonfinite)
+        self.nonfinite_action = check_action(nonfinite)
         self.health = bool(health)
         if policy is not None:
             check_policy(policy)
@@ -203,9 +205,14 @@ class track:
             push_mode(recording)
             watch_other_threads(recording)
             self._spool = recording.spool = open_spool(recording.report)
-        if self.nonfinite is not None:
-            recording.watch = recording.report.nonfinite_watch = NonFiniteWatch(self.nonfinite)
-            push_mode(watch=recording.watch)
+        if self.nonfinite_action is not None:
+            watch = NonFiniteWatch(self.nonfinite_action)
+            recording.watch = recording.report.nonfinite_watch = watch
+            if nonfinite.checked_in_cpp(self.nonfinite_action):
+                recording.watch_in_cpp = True
+                nonfinite.start_cpp(recording.watch)
+            else:
+                push_mode(watch=recording.watch)
         if self.health:
             recording.health = recording.report.health_watch = HealthWatch()
             recording.health.start()
@@ -218,7 +225,10 @@ class track:
             if recording.health is not None:
                 recording.health.stop()
             if recording.watch is not None:
-                pop_mode(watch=recording.watch)
+                if recording.watch_in_cpp:
+                    nonfinite.stop_cpp(recording.watch)
+                else:
+                    pop_mode(watch=recording.watch)
                 recording.watch.flush()
             if self.all_casts:
                 unwatch_other_threads(recording)

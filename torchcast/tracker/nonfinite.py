@@ -21,6 +21,7 @@ narrow dtype's range was the problem.
 """
 import dataclasses
 import math
+import sys
 import threading
 import warnings
 from types import FrameType
@@ -310,7 +311,10 @@ class NonFiniteWatch:
             self.flush()
 
     def flush(self) -> None:
-        """Reads the flags of the ops awaiting them (one sync per device)."""
+        """Reads the flags of the ops awaiting them (one sync per device),
+        and the C++ watch's count of propagations."""
+        if self in getattr(_cpp, "watches", ()):
+            _take_propagated()
         with self.lock:
             pending, self.pending = self.pending, []
         if pending:
@@ -363,14 +367,77 @@ class unwatched:
     def __enter__(self):
         self.saved = unwatched.active()
         unwatched._local.on = True
+        self.saved_cpp = _ops.pause_nonfinite_watch(True)
 
     def __exit__(self, *exc):
         unwatched._local.on = self.saved
+        _ops.pause_nonfinite_watch(self.saved_cpp)
 
     @staticmethod
     def active() -> bool:
         """Whether this thread is inside ``with unwatched()``."""
         return getattr(unwatched._local, "on", False)
+
+
+# -- the C++ watch: CPU programs, "record" and "warn" -----------------------------
+# csrc/cpu/nonfinite_watch.cpp checks every op the dispatcher runs, at a
+# fraction of the dispatch mode's cost per op, and calls _on_origin at each
+# origin. An exception cannot leave it, so "raise" takes the dispatch mode;
+# so does a program that uses CUDA (the mode keeps the flags on the device).
+
+_cpp = threading.local()  # .watches: this thread's NonFiniteWatches the C++ watch serves
+
+
+def checked_in_cpp(action: str) -> bool:
+    """Whether a track(nonfinite=action) entered now is served by the C++ watch."""
+    return (_ops.start_nonfinite_watch is not None and action != "raise"
+            and not torch.cuda.is_initialized())
+
+
+def start_cpp(watch: "NonFiniteWatch") -> None:
+    """Has the C++ watch of this thread report to ``watch`` until ``stop_cpp``."""
+    watches = getattr(_cpp, "watches", None)
+    if watches:
+        _take_propagated()
+        watches.append(watch)
+        return
+    _cpp.watches = [watch]
+    _ops.take_propagated()
+    _ops.start_nonfinite_watch(_on_origin, sorted(f"aten::{name}" for name in _UNCHECKED))
+
+
+def stop_cpp(watch: "NonFiniteWatch") -> None:
+    """Undoes ``start_cpp(watch)``; the last one stops the C++ watch."""
+    _take_propagated()
+    _cpp.watches.remove(watch)
+    if not _cpp.watches:
+        _ops.stop_nonfinite_watch()
+
+
+def _take_propagated():
+    n = _ops.take_propagated()
+    for watch in _cpp.watches:
+        with watch.lock:
+            watch.propagated += n
+
+
+def _on_origin(name: str, overload: str, outputs: list, inputs: list) -> None:
+    """The C++ watch's callback at an origin: the op, its outputs, its inputs
+    in schema order."""
+    namespace, op = name.split("::", 1)
+    func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+    args, kwargs = [], {}
+    for argument, value in zip(func._schema.arguments, inputs):
+        if argument.kwarg_only:
+            kwargs[argument.name] = value
+        else:
+            args.append(value)
+    if func is _CAST_WITH_STATS:
+        outputs = outputs[:1]
+    outs = [t for t in outputs if isinstance(t, torch.Tensor) and _floating(t)]
+    where = _where(sys._getframe(1))
+    for watch in list(_cpp.watches):
+        watch._found(func, tuple(args), kwargs, outs, None, where)
 
 
 def checked_at_once(device: torch.device) -> bool:

@@ -1,0 +1,255 @@
+// nonfinite_watch.h. A RecordFunction callback pair sees every op the
+// dispatcher runs, nested ones included (linear and the addmm inside it):
+// the start callback keeps the op's floating inputs (and reads them at once
+// when the op writes to one of them, before it does), the end callback reads
+// the outputs with all_finite and, only when one is non-finite, the inputs
+// (on_end says which op of a chain of calls is the origin). Exceptions
+// cannot leave a RecordFunction callback, so the Python callback's are
+// printed as unraisable (the Python dispatch mode does "raise").
+#include <ATen/record_function.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <algorithm>
+#include <vector>
+
+#include "../all_finite.h"
+#include "../nonfinite_watch.h"
+
+namespace torchcast {
+namespace {
+
+// An origin found, not yet reported: an op that called it may take its place.
+struct Origin {
+  const char* name;
+  const char* overload;
+  std::vector<c10::IValue> outputs, inputs;
+};
+
+struct OpCall : at::ObserverContext {
+  OpCall* parent = nullptr;
+  bool inputs_bad = false;        // a float argument, or (written inputs) a tensor, was non-finite
+  bool inputs_read = false;       // inputs_bad already covers the tensors
+  bool callee_nonfinite = false;  // an op this one called made NaN/inf
+  bool first_output = false;
+  bool decomposes = false;        // CompositeImplicitAutograd: its callees are the ops that run
+  bool skip = false;              // not checked, nor the ops it calls
+  std::vector<at::Tensor> inputs;
+  std::vector<c10::IValue> input_values;
+  std::unique_ptr<Origin> origin;  // found in a callee
+};
+
+PyObject* watch_callback = nullptr;  // set and read with the GIL held
+std::atomic<int64_t> propagated{0};
+thread_local at::CallbackHandle handle = 0;
+thread_local OpCall* current = nullptr;
+thread_local bool paused = false;
+
+// A CPU tensor with values to read: not a tensor subclass (FakeTensor under
+// torch.compile's tracing has no data), not a functional wrapper.
+bool floating(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrappers =
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                           c10::DispatchKey::Functionalize});
+  return t.defined() && (t.is_floating_point() || t.is_complex()) && t.numel() > 0 &&
+         t.device().is_cpu() && !t.key_set().has_any(wrappers) && t.has_storage() &&
+         t.const_data_ptr() != nullptr;
+}
+
+// What the watch does with a record, decided once per name.
+struct OpInfo {
+  bool transparent = false;   // not an op (the autograd engine's record of a node): ignored
+  bool skip = false;          // not checked: see start_nonfinite_watch's skip list, and views
+  bool writes = false;        // writes to an input: read the inputs before it runs
+  bool first_output = false;  // safe_to's cast: its result, not its stats
+  bool decomposes = false;     // CompositeImplicitAutograd (linear, matmul): not reported
+  std::vector<bool> out_args;  // out= arguments: outputs, not inputs (their bits are garbage)
+};
+
+// Sets this thread's paused flag for a scope: the watch's own reads
+// (at::isfinite of a strided tensor) dispatch ops too.
+struct Paused {
+  bool saved;
+  Paused() : saved(paused) { paused = true; }
+  ~Paused() { paused = saved; }
+};
+
+std::unordered_set<std::string> unchecked;  // set at start, with the GIL
+
+struct NameHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
+// Keyed by the name's text: a record that is not an op owns its name string,
+// so its address says nothing.
+const OpInfo& info_of(const at::RecordFunction& fn) {
+  thread_local std::unordered_map<std::string, OpInfo, NameHash, std::equal_to<>> known;
+  const std::string_view name(fn.name());
+  auto it = known.find(name);
+  if (it != known.end()) return it->second;
+  OpInfo info;
+  const std::string full(name);
+  const auto schema = fn.operator_schema();
+  if (!schema.has_value()) {
+    info.transparent = true;
+  } else if (full.rfind("torchcast", 0) == 0) {
+    info.first_output = full == "torchcast::cast_with_stats";
+    info.skip = !info.first_output;
+  } else if (unchecked.count(full)) {
+    info.skip = true;
+  } else {
+    const auto op = c10::Dispatcher::singleton().findOp(fn.operator_name().value());
+    info.decomposes = op.has_value() &&
+                      op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+    const auto& returns = schema->returns();
+    const auto* alias = returns.empty() ? nullptr : returns[0].alias_info();
+    info.writes = schema->is_mutable();
+    // A view of an input; one that decomposes (to, reshape) may copy instead:
+    // the ops it calls say.
+    info.skip = alias != nullptr && !alias->isWrite() && !info.decomposes;
+    for (const auto& argument : schema->arguments()) {
+      info.out_args.push_back(argument.is_out());
+    }
+  }
+  return known.emplace(full, info).first->second;
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  // The ops an op that does not decompose calls are its implementation (the
+  // copy_ inside _to_copy): its own output is what is checked.
+  if (paused || (current != nullptr && !current->decomposes)) return nullptr;
+  const OpInfo& info = info_of(fn);
+  if (info.transparent) return nullptr;
+  auto call = std::make_unique<OpCall>();
+  call->parent = current;
+  current = call.get();
+  if (info.skip) {  // unchecked, and so are the ops it calls
+    call->skip = true;
+    return call;
+  }
+  const Paused pause;
+  call->first_output = info.first_output;
+  call->decomposes = info.decomposes;
+  const auto values = fn.inputs();
+  for (size_t i = 0; i < values.size(); ++i) {
+    const c10::IValue& v = values[i];
+    if (i < info.out_args.size() && info.out_args[i]) continue;
+    if (v.isTensor()) {
+      if (floating(v.toTensor())) call->inputs.push_back(v.toTensor());
+    } else if (v.isDouble()) {
+      call->inputs_bad |= !std::isfinite(v.toDouble());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        if (floating(t)) call->inputs.push_back(t);
+      }
+    }
+  }
+  if (info.writes) {
+    for (const at::Tensor& t : call->inputs) call->inputs_bad |= !all_finite(t);
+    call->inputs_read = true;
+  }
+  call->input_values.assign(fn.inputs().begin(), fn.inputs().end());
+  return call;
+}
+
+void report(const Origin& origin) {
+  pybind11::gil_scoped_acquire gil;
+  if (watch_callback == nullptr) return;
+  try {
+    pybind11::list outputs, inputs;
+    for (const c10::IValue& v : origin.outputs) outputs.append(torch::jit::toPyObject(v));
+    for (const c10::IValue& v : origin.inputs) inputs.append(torch::jit::toPyObject(v));
+    // (paused: the callback's own ops, a rerun in a wider dtype, are not the program's)
+    PyObject* result = PyObject_CallFunction(watch_callback, "ssOO", origin.name, origin.overload,
+                                             outputs.ptr(), inputs.ptr());
+    if (result == nullptr) {
+      PyErr_WriteUnraisable(watch_callback);
+    } else {
+      Py_DECREF(result);
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    PyErr_WriteUnraisable(watch_callback);
+  }
+}
+
+// The origin of a chain of calls is the outermost op that made NaN/inf from
+// finite inputs and that does not decompose (so .half() reports
+// aten::_to_copy, not the copy_ inside it, and nn.Linear aten::addmm, not
+// aten::linear): as the dispatch mode sees ops. An origin passes up to the
+// caller, which may take its place, and is reported at the outermost call.
+void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  auto* call = static_cast<OpCall*>(ctx);
+  if (call == nullptr) return;
+  current = call->parent;
+  if (call->skip) return;
+  const Paused pause;
+  bool out_bad = false;
+  const auto& outputs = fn.outputs();
+  const size_t checked = call->first_output ? std::min<size_t>(1, outputs.size()) : outputs.size();
+  for (size_t i = 0; i < checked; ++i) {
+    const c10::IValue& v = outputs[i];
+    if (v.isTensor() && floating(v.toTensor()) && !all_finite(v.toTensor())) out_bad = true;
+  }
+  if (out_bad) {
+    if (!call->inputs_read) {
+      for (const at::Tensor& t : call->inputs) call->inputs_bad |= !all_finite(t);
+    }
+    if (call->inputs_bad) {
+      if (!call->callee_nonfinite) propagated.fetch_add(1, std::memory_order_relaxed);
+    } else if (!call->decomposes) {
+      call->origin = std::make_unique<Origin>(
+          Origin{fn.name(), fn.overload_name(),
+                 std::vector<c10::IValue>(outputs.begin(), outputs.begin() + checked),
+                 std::move(call->input_values)});
+    }
+    if (call->parent != nullptr) call->parent->callee_nonfinite = true;
+  }
+  if (call->origin == nullptr) return;
+  if (call->parent != nullptr) {
+    if (call->parent->origin == nullptr) call->parent->origin = std::move(call->origin);
+  } else {
+    report(*call->origin);
+  }
+}
+
+}  // namespace
+
+void start_nonfinite_watch(PyObject* callback, const std::vector<std::string>& skip) {
+  TORCH_CHECK(handle == 0, "torchcast: this thread already has a non-finite watch");
+  unchecked = std::unordered_set<std::string>(skip.begin(), skip.end());
+  Py_XINCREF(callback);
+  Py_XDECREF(watch_callback);
+  watch_callback = callback;
+  propagated.store(0);
+  handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                          .needsInputs(true)
+                                          .needsOutputs(true)
+                                          .scopes({at::RecordScope::FUNCTION}));
+}
+
+void stop_nonfinite_watch() {
+  if (handle != 0) {
+    at::removeCallback(handle);
+    handle = 0;
+  }
+  current = nullptr;
+}
+
+int64_t take_propagated() { return propagated.exchange(0); }
+
+bool pause_nonfinite_watch(bool pause) {
+  const bool previous = paused;
+  paused = pause;
+  return previous;
+}
+
+}  // namespace torchcast

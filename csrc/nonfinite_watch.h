@@ -1,0 +1,33 @@
+// track(nonfinite="record"/"warn") on CPU programs: every op checked in C++,
+// through a RecordFunction callback of the tracking thread (nonfinite_watch.cpp).
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchcast {
+
+// Starts checking this thread's CPU ops (and those of the autograd threads
+// it starts): callback(op, overload, outputs, inputs) is called, with the
+// GIL, for each op whose floating output holds NaN/inf while every floating
+// input and float argument was finite (an op whose callee made them leaves it
+// to the callee). Ops named in skip ("aten::empty", ...), views of an input
+// and torchcast's own ops (but safe_to's cast result) are not checked. Call
+// with the GIL held; one watch per thread.
+void start_nonfinite_watch(PyObject* callback, const std::vector<std::string>& skip);
+
+// Stops this thread's watch.
+void stop_nonfinite_watch();
+
+// How many op calls made NaN/inf only from inputs that held some, since the
+// last call (every thread's watch).
+int64_t take_propagated();
+
+// Pauses (or resumes) the check in this thread: the tracker's own ops.
+// Returns whether it was paused.
+bool pause_nonfinite_watch(bool paused);
+
+}  // namespace torchcast
