@@ -158,10 +158,11 @@ class track:
             finite inputs (``report.nonfinite``, ``report.first_nonfinite``;
             "warn" warns once per place, NonFiniteWarning; "raise" raises
             ``torchcast.NonFiniteError`` at the first). Ops whose inputs
-            already held NaN/inf are counted (``report.propagated``). On the
-            CPU each op's output is read once; on a GPU the flags stay on
-            the device and are read every 256 ops and at exit ("raise":
-            after every op). Ops inside torch.compile'd graphs are not seen.
+            already held NaN/inf are counted (``report.propagated``). Each
+            op's output is read once (in C++ under "record"/"warn" in a
+            program without CUDA); on a GPU the flags stay on the device and
+            are read every 256 ops and at exit ("raise": after every op).
+            Ops inside torch.compile'd graphs are not seen.
         health: measure, per module, its forward outputs and the gradients
             flowing into it in backward (``torchcast.tensor_health``, merged
             per module, phase and dtype, kept on the device): ``report.health``
