@@ -103,3 +103,12 @@ def _cast_backward(ctx, grad_y, grad_stats):
 torch.library.register_autograd("torchcast::cast_with_stats", _cast_backward,
                                 setup_context=_cast_setup_context)
 
+# tensor_health's outputs are statistics, never differentiable (as the C++
+# Autograd kernel of the compiled build: csrc/autograd.cpp).
+def _tensor_health_autograd(x):
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.torchcast.tensor_health(x)
+
+
+_lib.impl("tensor_health", _tensor_health_autograd, "Autograd")
+
