@@ -1,168 +1,153 @@
-// tensor_health: what one element contributes, read from its bits, shared by
-// the CPU and CUDA kernels (cpu/health.cpp, cuda/health.cu).
+// tensor_health: what one element of x contributes, shared by the CPU kernel
+// (csrc/cpu/health.cpp) and the CUDA kernel (csrc/cuda/health.cu), and
+// restated in torchcast/_reference/health.py.
 //
-// Outputs of torchcast::tensor_health(x):
-//   counts  int64 [5]: NaN, +inf, -inf, zeros (either sign), subnormals of
-//           x's dtype;
-//   hist    int64 [rows, 14]: each finite nonzero element once. Row r is the
-//           binade 2^e <= |x| < 2^(e+1) with e = r + e_sub, e_sub the
-//           exponent of the dtype's smallest subnormal (subnormals are
-//           counted at their true exponent), up to the largest finite
-//           value's. The column classifies the fraction f = |x| / 2^e - 1
-//           (the bits after the leading one), by L, its number of leading
-//           one bits: 0 for f == 0; 1 + min(L, 11) for f != 0; except 13
-//           for f = 0.1101b followed by any nonzero bit (L = 2). Rounding
-//           to q fraction bits carries an element to the next binade iff
-//           L >= q + 1, so these columns make a cast to any format of at
-//           most 10 fraction bits, at any power-of-two scale, predictable
-//           exactly (torchcast/headroom.py); column 13 is float8_e4m3fn's
-//           overflow boundary 1.1101b x 2^8 = 464, a tie that rounds down.
-//   extrema float64 [2]: the largest |x| over finite elements (0 if none)
-//           and the smallest nonzero finite |x| (inf if none).
+// Outputs (all counts exact int64; results are counts, maxima and minima, so
+// they do not depend on the thread count, the chunking or the device):
+//  - counts, int64 [kNumCounts]: NaN, +inf, -inf, zeros (+-0), subnormals
+//    (nonzero |x| below the smallest normal of x's dtype).
+//  - hist, int64 [kRows, kColumns]: every finite nonzero element once. Row b
+//    is the binade of exponent e = b + kExpSub, e = floor(log2 |x|) (a
+//    subnormal's true exponent too), kExpSub the exponent of the dtype's
+//    smallest subnormal; the last row is the dtype's largest exponent. The
+//    column is a category of the fraction f = |x| / 2^e - 1 = 0.b1 b2 b3 ...
+//    (a subnormal normalized first: its leading one is the implicit bit).
+//    With L the number of leading 1 bits of f:
+//      column 0:      f == 0 (|x| is a power of two)
+//      columns 1..12: 1 + min(L, 11), except
+//      column 13:     b1 b2 b3 b4 = 1101 and a later bit set (L = 2; not in 3).
+//    Rounding to any format with p <= 10 fraction bits, scaled by any power
+//    of two, is then predictable from hist alone: at precision q an element
+//    rounds up out of its binade iff L >= q + 1; to zero at half the smallest
+//    subnormal iff f == 0 is a tie (rounds to even, zero); float8_e4m3fn's
+//    overflow boundary 464 = 1.1101b x 2^8 is a tie that rounds down, so the
+//    elements above it in that binade are columns 4..12 and 13. The headroom
+//    computations rely on exactly this layout.
+//  - extrema, float64 [kNumExtrema]: the largest finite |x| (0 when there is
+//    none) and the smallest nonzero finite |x| (+inf when there is none),
+//    exact: every supported dtype widens to float64 exactly.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "numerics.h"
 
 namespace torchcast {
+namespace health {
 
-constexpr int kHealthColumns = 14;
-constexpr int kHealthCounts = 5;
-enum HealthKind : int {
-  kHealthFiniteNonzero = -1,
-  kHealthNan = 0,
-  kHealthPosInf = 1,
-  kHealthNegInf = 2,
-  kHealthZero = 3,
-};
-constexpr int kSubnormalCount = 4;
+constexpr int kColumns = 14;
+enum CountIndex : int { kNan = 0, kPosInf, kNegInf, kZero, kSubnormal, kNumCounts };
+enum ExtremaIndex : int { kAmax = 0, kMinNonzero, kNumExtrema };
 
-TC_HD int leading_zeros64(uint64_t v) {
-#if defined(__CUDA_ARCH__)
-  return __clzll(static_cast<long long>(v));
-#else
-  return __builtin_clzll(v);  // v != 0 at every call
-#endif
-}
-
-// A binary floating format: Bits its storage, E exponent bits, M fraction
-// bits; kFiniteOnly for float8_e4m3fn (no inf; S.1111.111 is its only NaN).
-// The magnitude bits (the sign masked off) of finite values order as the
-// values do: the kernels keep the extrema as bits.
-template <typename Bits, int E, int M, bool FiniteOnly = false>
-struct HealthFormat {
-  using storage = Bits;
-  static constexpr bool kFiniteOnly = FiniteOnly;
-  static constexpr int kM = M;
-  static constexpr int kBias = (1 << (E - 1)) - 1;
-  static constexpr int kESub = 1 - kBias - M;  // exponent of the smallest subnormal
-  static constexpr int kEMax = kFiniteOnly ? (1 << E) - 1 - kBias : (1 << E) - 2 - kBias;
-  static constexpr int kRows = kEMax - kESub + 1;
-  static constexpr Bits kMagnitude = static_cast<Bits>((Bits(1) << (E + M)) - 1);
-  static constexpr Bits kFractionMask = static_cast<Bits>((Bits(1) << M) - 1);
-  static constexpr Bits kExponentMask = static_cast<Bits>(kMagnitude & ~kFractionMask);
+// One supported dtype's bit layout: Bits is the unsigned integer of its
+// storage; kHasInf is false for float8_e4m3fn, whose only non-finite
+// magnitude (all ones) is NaN and whose top exponent holds normal numbers.
+template <typename Bits, int kFracBits, int kExpBits, bool kHasInf_>
+struct Format {
+  using bits_t = Bits;
+  static constexpr int kFrac = kFracBits;
+  static constexpr bool kHasInf = kHasInf_;
+  static constexpr Bits kSign = static_cast<Bits>(Bits(1) << (kFracBits + kExpBits));
+  static constexpr Bits kAbsMask = static_cast<Bits>(kSign - 1);
+  static constexpr Bits kFracMask = static_cast<Bits>((Bits(1) << kFracBits) - 1);
+  // The smallest magnitude (sign cleared) that is not finite: inf, or
+  // float8_e4m3fn's NaN.
+  static constexpr Bits kNonFinite =
+      kHasInf ? static_cast<Bits>(((Bits(1) << kExpBits) - 1) << kFracBits) : kAbsMask;
+  static constexpr int kBias = (1 << (kExpBits - 1)) - 1;
+  static constexpr int kExpSub = 1 - kBias - kFracBits;
+  // A normal biased exponent E is row E + kFrac - 1; a subnormal is in a row
+  // below kFrac (its leading one's position), so rows [0, kFrac) are exactly
+  // the subnormals.
+  static constexpr int kRows = (1 << kExpBits) - (kHasInf ? 2 : 1) + kFracBits;
+  static constexpr int kBins = kRows * kColumns;
 };
 
-using HealthF64 = HealthFormat<uint64_t, 11, 52>;
-using HealthF32 = HealthFormat<uint32_t, 8, 23>;
-using HealthF16 = HealthFormat<uint16_t, 5, 10>;
-using HealthBF16 = HealthFormat<uint16_t, 8, 7>;
-using HealthE4M3 = HealthFormat<uint8_t, 4, 3, true>;
-using HealthE5M2 = HealthFormat<uint8_t, 5, 2>;
+using Float64Format = Format<uint64_t, 52, 11, true>;
+using Float32Format = Format<uint32_t, 23, 8, true>;
+using Float16Format = Format<uint16_t, 10, 5, true>;
+using BFloat16Format = Format<uint16_t, 7, 8, true>;
+using Float8E4M3FnFormat = Format<uint8_t, 3, 4, false>;
+using Float8E5M2Format = Format<uint8_t, 2, 5, true>;
 
-// One element: its kind, whether it is subnormal, and its histogram cell.
-struct HealthElement {
-  int kind;  // HealthKind
-  bool subnormal;
-  int cell;  // row * kHealthColumns + column, for kHealthFiniteNonzero
-};
-
-// The column of a fraction whose kM bits sit at the top of t (see above).
-// Branch-free: the 0.1101b test is true for 1 fraction in 16, which a branch
-// would mispredict.
-TC_HD int health_column(uint64_t t) {
-  const int ones = leading_zeros64(~t);  // ~t != 0: its low bits are ones
-  const int by_ones = 1 + (ones < 11 ? ones : 11);
-  const int above_1101 = static_cast<int>((t >> 60) == 0xD) & static_cast<int>((t << 4) != 0);
-  const int column = by_ones + above_1101 * (13 - by_ones);
-  return column * static_cast<int>(t != 0);
+// The position of v's highest set bit, by an exact conversion to floating
+// point rather than a count-leading-zeros, so that the CPU loops calling it
+// vectorize (AVX2 has no vector lzcnt). v < 2^24 (float) or 2^53 (double);
+// v == 0 gives a negative number.
+TC_HD int highest_bit(uint32_t v) {
+  return static_cast<int>(bit_cast<uint32_t>(static_cast<float>(static_cast<int32_t>(v))) >> 23) -
+         127;
+}
+TC_HD int highest_bit(uint64_t v) {
+  return static_cast<int>(bit_cast<uint64_t>(static_cast<double>(static_cast<int64_t>(v))) >> 52) -
+         1023;
 }
 
-// Whether a magnitude u is a normal number of F (neither zero, subnormal, inf
-// nor NaN); then its cell is normal_cell<F>(u). The kernels' fast path.
-template <typename F>
-TC_HD bool is_normal(typename F::storage u) {
-  const auto field = static_cast<uint32_t>(u >> F::kM);
-  constexpr uint32_t kTop = static_cast<uint32_t>(F::kExponentMask >> F::kM);
-  return F::kFiniteOnly ? field != 0 && u != F::kMagnitude : field - 1u < kTop - 1u;
+// The column of a finite nonzero element from the first 11 bits of its
+// (normalized) fraction, top = b1 ... b11, and whether any later bit is set.
+// L >= 11 needs no more bits than those 11, and the later bits only decide
+// f == 0 and column 13. Non-short-circuit & and | keep it branch-free.
+TC_HD int column_of(uint32_t top, bool rest) {
+  // Leading ones of top: 10 - (the highest zero's position), 11 when none.
+  const int ones = 10 - highest_bit(~top & 0x7ffu);
+  const int col = 1 + (ones < 11 ? ones : 11);
+  const bool zero = (top == 0) & !rest;
+  const bool col13 = ((top >> 7) == 0xdu) & (((top & 0x7fu) != 0) | rest);
+  return zero ? 0 : col13 ? 13 : col;
 }
 
-// The histogram row of a normal magnitude u: e - kESub, with e = field - kBias
-// and kESub = 1 - kBias - kM.
-template <typename F>
-TC_HD int normal_row(typename F::storage u) {
-  return static_cast<int>(u >> F::kM) - 1 + F::kM;
-}
-
-template <typename F>
-TC_HD int normal_cell(typename F::storage u) {
-  return normal_row<F>(u) * kHealthColumns +
-         health_column(static_cast<uint64_t>(u & F::kFractionMask) << (64 - F::kM));
-}
-
-// A fraction's column depends only on its first 12 bits and on whether any
-// later bit is set: the index of a 2^13-entry table of health_column (the
-// CPU kernel's fast path), (first 12 bits) * 2 + (later bit set).
-constexpr int kFractionIndexBits = 13;
-
-template <typename F>
-TC_HD uint32_t fraction_index(typename F::storage u) {
-  const uint64_t fraction = static_cast<uint64_t>(u & F::kFractionMask);
-  if constexpr (F::kM <= 12) {
-    return static_cast<uint32_t>(fraction << (12 - F::kM)) << 1;
+// The bin of one element given its storage bits: row * kColumns + column for
+// a finite nonzero x, otherwise kBins + its CountIndex (kNan, kPosInf,
+// kNegInf or kZero). Branch-free (every case computed, one selected), so
+// that the CPU loops vectorize. kSubnormals = false: the caller knows that x
+// is not subnormal, and the normalization is left out.
+template <typename F, bool kSubnormals = true>
+TC_HD int bin_of(typename F::bits_t bits) {
+  // Work at least 32 bits wide: the 8- and 16-bit formats promote anyway.
+  using W = std::conditional_t<sizeof(typename F::bits_t) == 8, uint64_t, uint32_t>;
+  constexpr int kWidth = 8 * static_cast<int>(sizeof(W));
+  const W u = static_cast<W>(bits) & F::kAbsMask;
+  const W exponent = u >> F::kFrac;
+  const W fraction = u & F::kFracMask;
+  int row = static_cast<int>(exponent) + F::kFrac - 1;
+  W normalized = fraction;
+  if constexpr (kSubnormals) {
+    // A subnormal's leading one; its fraction is the bits after it. The
+    // shift is masked: for anything else `lead` is meaningless and not used.
+    const int lead = highest_bit(fraction);
+    const bool normal = exponent != 0;
+    const W shifted = fraction << ((F::kFrac - lead) & (kWidth - 1));
+    row = normal ? row : lead;
+    normalized = normal ? fraction : shifted & F::kFracMask;
+  }
+  uint32_t top;
+  bool rest = false;
+  if constexpr (F::kFrac >= 11) {
+    top = static_cast<uint32_t>(normalized >> (F::kFrac - 11));
+    rest = (normalized & ((W(1) << (F::kFrac - 11)) - 1)) != 0;
   } else {
-    constexpr uint64_t kLater = (uint64_t{1} << (F::kM - 12)) - 1;
-    return static_cast<uint32_t>((fraction >> (F::kM - 12)) << 1) |
-           static_cast<uint32_t>((fraction & kLater) != 0);
+    top = static_cast<uint32_t>(normalized << (11 - F::kFrac));
   }
+  const int finite = row * kColumns + column_of(top, rest);
+  const bool nan = F::kHasInf ? u > F::kNonFinite : u == F::kNonFinite;
+  const bool negative = (static_cast<W>(bits) & F::kSign) != 0;
+  const int inf = negative ? kNegInf : kPosInf;
+  const int special = nan ? kNan : (u == F::kNonFinite ? inf : kZero);
+  return ((u == 0) | (u >= F::kNonFinite)) ? F::kBins + special : finite;
 }
 
-// health_column of the fractions fraction_index maps to i.
-TC_HD int column_of_index(uint32_t i) {
-  return health_column((static_cast<uint64_t>(i >> 1) << 52) |
-                       (static_cast<uint64_t>(i & 1) << 40));
-}
-
+// The magnitude |x| of finite storage bits u (sign cleared), exactly, in
+// float64. Magnitudes order like their bits, so the kernels track the
+// extrema as bits and convert once.
 template <typename F>
-TC_HD HealthElement classify_health(typename F::storage bits) {
-  using Bits = typename F::storage;
-  const Bits u = bits & F::kMagnitude;
-  const bool negative = (bits >> (sizeof(Bits) * 8 - 1)) != 0;
-  HealthElement out{kHealthFiniteNonzero, false, 0};
-  if (F::kFiniteOnly ? u == F::kMagnitude : (u & F::kExponentMask) == F::kExponentMask) {
-    out.kind = (F::kFiniteOnly || (u & F::kFractionMask) != 0) ? kHealthNan
-               : negative                                     ? kHealthNegInf
-                                                              : kHealthPosInf;
-    return out;
-  }
-  if (u == 0) {
-    out.kind = kHealthZero;
-    return out;
-  }
-  const int biased = static_cast<int>(u >> F::kM);
-  uint64_t fraction = static_cast<uint64_t>(u & F::kFractionMask);
-  int e;
-  if (biased == 0) {  // subnormal: the leading one is the highest set bit
-    out.subnormal = true;
-    const int top = 63 - leading_zeros64(fraction);  // its position, < M
-    e = F::kESub + top;
-    fraction = (fraction << (F::kM - top)) & static_cast<uint64_t>(F::kFractionMask);
-  } else {
-    e = biased - F::kBias;
-  }
-  out.cell = (e - F::kESub) * kHealthColumns + health_column(fraction << (64 - F::kM));
-  return out;
+TC_HD double magnitude_of(typename F::bits_t u) {
+  const uint64_t exponent = static_cast<uint64_t>(u) >> F::kFrac;
+  const uint64_t fraction = static_cast<uint64_t>(u) & F::kFracMask;
+  const uint64_t significand = exponent != 0 ? fraction | (uint64_t(1) << F::kFrac) : fraction;
+  const int scale = (exponent != 0 ? static_cast<int>(exponent) : 1) + F::kExpSub - 1;
+  return ldexp(static_cast<double>(significand), scale);
 }
 
+}  // namespace health
 }  // namespace torchcast

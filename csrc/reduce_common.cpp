@@ -24,23 +24,6 @@ void check_dtypes(const char* op, const at::Tensor& x, std::optional<at::ScalarT
               "got ", dtype_name(*dtype), " (x is ", dtype_name(x.scalar_type()), ")");
 }
 
-// Drops size-1 axes and merges neighbours that are contiguous in x and in
-// the output; neither changes the order of the index space. Never empty.
-Axes coalesce(const Axes& in) {
-  Axes out;
-  for (const Axis& a : in) {
-    if (a.size == 1) continue;
-    if (!out.empty() && out.back().xstride == a.xstride * a.size &&
-        out.back().ostride == a.ostride * a.size) {
-      out.back() = {out.back().size * a.size, a.xstride, a.ostride};
-    } else {
-      out.push_back(a);
-    }
-  }
-  if (out.empty()) out.push_back({1, 1, 1});
-  return out;
-}
-
 }  // namespace
 
 ReducePlan plan_accumulation(const char* op, at::Tensor& x, at::OptionalIntArrayRef dim,
@@ -55,6 +38,21 @@ ReducePlan plan_accumulation(const char* op, at::Tensor& x, at::OptionalIntArray
     plan = plan_reduce(op, x, dim, keepdim, dtype, mean);
   }
   return plan;
+}
+
+Axes coalesce(const Axes& in) {
+  Axes out;
+  for (const Axis& a : in) {
+    if (a.size == 1) continue;
+    if (!out.empty() && out.back().xstride == a.xstride * a.size &&
+        out.back().ostride == a.ostride * a.size) {
+      out.back() = {out.back().size * a.size, a.xstride, a.ostride};
+    } else {
+      out.push_back(a);
+    }
+  }
+  if (out.empty()) out.push_back({1, 1, 1});
+  return out;
 }
 
 int64_t numel_of(const Axes& axes) {

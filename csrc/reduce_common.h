@@ -148,6 +148,10 @@ constexpr size_t kMaxAxes = 64;
 
 int64_t numel_of(const Axes& axes);
 
+// Drops size-1 axes and merges neighbours that are contiguous in x and in
+// the output; neither changes the order of the index space. Never empty.
+Axes coalesce(const Axes& in);
+
 enum class Scheme { kFull, kWarpLanes, kOneLane };
 
 // What a kahan_sum / kahan_mean call does: its output (allocated, contiguous,
