@@ -17,7 +17,6 @@ import time
 import torch
 
 import protocol
-import torchcast
 from torchcast import _ops
 
 CASES = [(torch.float32, 25), (torch.float32, 20), (torch.float32, 14), (torch.bfloat16, 25),
