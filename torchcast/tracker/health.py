@@ -47,8 +47,7 @@ class ModuleHealth:
     def binades_to_overflow(self) -> float:
         """log2(largest finite value of its dtype / amax): how many doublings
         the largest element can take (inf when all are zero)."""
-        amax = self.health.amax
-        return math.log2(torch.finfo(self.dtype).max / amax) if amax > 0 else math.inf
+        return _binades_to_overflow(self.dtype, self.health.amax)
 
     def to_dict(self) -> Dict[str, Any]:
         h = self.health
@@ -153,11 +152,14 @@ class _GradHook:
             self.watch.measure(self.modules, "backward", grad)
 
 
+def _binades_to_overflow(dtype: torch.dtype, amax: float) -> float:
+    return math.log2(torch.finfo(dtype).max / amax) if amax > 0 else math.inf
+
+
 def _severity(row: ModuleHealth):
     h = row.health.read()
     lost = (h.zero + h.subnormal) / max(h.numel, 1)
-    room = math.log2(torch.finfo(row.dtype).max / h.amax) if h.amax > 0 else math.inf
-    return (-(h.nan + h.posinf + h.neginf), room, -lost)
+    return (-(h.nan + h.posinf + h.neginf), _binades_to_overflow(row.dtype, h.amax), -lost)
 
 
 @dataclasses.dataclass
@@ -243,7 +245,7 @@ def health_lines(watch: HealthWatch) -> List[str]:
     for r in rows:
         h = r.health.read()
         n = max(h.numel, 1)
-        room = r.binades_to_overflow()
+        room = _binades_to_overflow(r.dtype, h.amax)
         table.append((r.module or "-", r.phase, short_dtype_name(r.dtype), str(h.numel),
                       f"{h.amax:.3g}", f"{room:.1f}" if math.isfinite(room) else "-",
                       f"{h.min_nonzero:.3g}" if math.isfinite(h.min_nonzero) else "-",

@@ -89,32 +89,38 @@ class _CastMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.watches:
             return _watched_op(self, func, args, kwargs or {})
-        if id(func) in _CAST_IDS and self.recorders:
-            return _tracked_cast(self.recorders, func, args, kwargs or {})
-        try:  # free unless the op raises
-            if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
-                out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-            else:
-                out = func(*args, **(kwargs or {}))
-        except RuntimeError as error:
-            note_dtype_mismatch(func, args, kwargs or {}, error, sys._getframe(1))
-            raise
-        if type(out) is _Tensor and out.dtype is _FLOAT64:
-            _record_promotion(self.recorders, func, args, out)
-        return out
+        return _run_op(self.recorders, func, args, kwargs)
 
 
 if _eval_frame is not None:
     _eval_frame.set_code_exec_strategy(_CastMode.__torch_dispatch__.__code__, _SKIP_RECURSIVELY)
 
 
+def _run_op(recorders, func, args, kwargs):
+    """One op as PyTorch runs it: a cast reported to the all_casts
+    recorders, a failing op's dtype-mismatch note, a float64 promotion."""
+    if id(func) in _CAST_IDS and recorders:
+        return _tracked_cast(recorders, func, args, kwargs or {})
+    try:  # free unless the op raises
+        if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
+            out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        else:
+            out = func(*args, **(kwargs or {}))
+    except RuntimeError as error:
+        note_dtype_mismatch(func, args, kwargs or {}, error, sys._getframe(1))
+        raise
+    if recorders and type(out) is _Tensor and out.dtype is _FLOAT64:
+        _record_promotion(recorders, func, args, out)
+    return out
+
+
 _mutates = {}
 
 
 def _watched_op(mode, func, args, kwargs):
-    """Runs one op for a mode with non-finite watches: the op as the fast path
-    or the cast path would, then each watch's check of its result (an in-place
-    op's inputs are read before it overwrites them)."""
+    """Runs one op for a mode with non-finite watches: _run_op, then each
+    watch's check of its result (an in-place op's inputs are read before it
+    overwrites them)."""
     if torch.compiler.is_compiling() or unwatched.active():
         return func(*args, **kwargs)
     mutates = _mutates.get(id(func))
@@ -122,16 +128,7 @@ def _watched_op(mode, func, args, kwargs):
         mutates = _mutates[id(func)] = bool(getattr(func, "_schema", None)
                                             and func._schema.is_mutable)
     inputs_bad = inputs_nonfinite(args, kwargs) if mutates else None
-    if id(func) in _CAST_IDS and mode.recorders:
-        out = _tracked_cast(mode.recorders, func, args, kwargs)
-    else:
-        try:
-            out = func(*args, **kwargs)
-        except RuntimeError as error:
-            note_dtype_mismatch(func, args, kwargs, error, sys._getframe(1))
-            raise
-        if mode.recorders and type(out) is _Tensor and out.dtype is _FLOAT64:
-            _record_promotion(mode.recorders, func, args, out)
+    out = _run_op(mode.recorders, func, args, kwargs)
     frame = sys._getframe(1)
     for watch in mode.watches:
         watch.after_op(func, args, kwargs, out, inputs_bad, frame)
