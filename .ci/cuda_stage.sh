@@ -42,13 +42,15 @@ if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
   step "creating $VENV with torch==$TORCH_CUDA_PIN (CUDA build, several GB)"
   rm -rf "$VENV"
   "${PYTHON:-python3}" -m venv "$VENV"
-  # The project's requirements with the CPU torch pin swapped for the CUDA one.
-  grep -v '^torch\b' requirements.txt > "$VENV/requirements-cuda.txt"
-  echo "torch==$TORCH_CUDA_PIN" >> "$VENV/requirements-cuda.txt"
-  if ! "$VENV/bin/python" -m pip install -q -r "$VENV/requirements-cuda.txt" > "$VENV/pip.log" 2>&1; then
-    cat "$VENV/pip.log"
-    exit 1
-  fi
+fi
+# The project's requirements with the CPU torch pin swapped for the CUDA one,
+# installed on every run: a reused virtualenv also gets requirements added
+# since it was made (a no-op when nothing is missing).
+grep -v '^torch\b' requirements.txt > "$VENV/requirements-cuda.txt"
+echo "torch==$TORCH_CUDA_PIN" >> "$VENV/requirements-cuda.txt"
+if ! "$VENV/bin/python" -m pip install -q -r "$VENV/requirements-cuda.txt" > "$VENV/pip.log" 2>&1; then
+  cat "$VENV/pip.log"
+  exit 1
 fi
 "$VENV/bin/python" -c "import torch; print('   torch', torch.__version__, 'CUDA', torch.version.cuda)"
 

@@ -13,44 +13,51 @@ using torch::autograd::variable_list;
 
 class CastWithStats : public torch::autograd::Function<CastWithStats> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::ScalarType dtype) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("torchcast::cast_with_stats", "")
-                               .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType)>();
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::ScalarType dtype,
+                               std::optional<bool> saturate) {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchcast::cast_with_stats", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType,
+                                                      std::optional<bool>)>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, stats] = op.call(x, dtype);
+    auto [y, stats] = op.call(x, dtype, saturate);
     ctx->saved_data["src_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->mark_non_differentiable({stats});
     return {y, stats};
   }
 
-  // The cast's derivative is the identity; the gradient comes back in x's dtype.
+  // The cast's derivative is the identity (saturated elements included, as
+  // for x.to(dtype)); the gradient comes back in x's dtype.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src_dtype"].toInt());
-    return {grads[0].defined() ? grads[0].to(src) : at::Tensor(), at::Tensor()};
+    return {grads[0].defined() ? grads[0].to(src) : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x, at::ScalarType dtype) {
-  auto out = CastWithStats::apply(x, dtype);
+std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x, at::ScalarType dtype,
+                                                            std::optional<bool> saturate) {
+  auto out = CastWithStats::apply(x, dtype, saturate);
   return {out[0], out[1]};
 }
 
 // The out= variant refuses autograd as torch's out= ops do (same wording):
 // out cannot carry a graph, and writing into a leaf that requires grad would
 // cut it silently.
-at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out) {
+at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtype,
+                                        std::optional<bool> saturate, at::Tensor& out) {
   TORCH_CHECK(!at::GradMode::is_enabled() || !(x.requires_grad() || out.requires_grad()),
               "torchcast.cast_with_stats(): functions with out=... arguments don't support "
               "automatic differentiation, but one of the arguments requires grad. Call it "
               "without out= (y then carries the gradient) or under torch.no_grad()");
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("torchcast::cast_with_stats", "out")
-                             .typed<at::Tensor(const at::Tensor&, at::ScalarType, at::Tensor&)>();
+                             .typed<at::Tensor(const at::Tensor&, at::ScalarType,
+                                               std::optional<bool>, at::Tensor&)>();
   at::Tensor stats;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    stats = op.call(x, dtype, out);
+    stats = op.call(x, dtype, saturate, out);
   }
   torch::autograd::impl::bump_version(out);  // out was written in place
   return stats;

@@ -37,26 +37,40 @@ std::string dtype_name(at::ScalarType t) {
 }
 
 static constexpr const char* kSupportedPairs =
-    "supported lossy pairs: float64->float32, float64->float16, float64->bfloat16, "
-    "float32->float16, float32->bfloat16; widening and same-dtype casts between "
-    "float16/bfloat16/float32/float64 are exact";
+    "supported lossy pairs: float64->float32; float64, float32->float16, bfloat16; "
+    "float16<->bfloat16; float64, float32, float16, bfloat16->float8_e4m3fn, float8_e5m2. "
+    "Widening and same-dtype casts between these dtypes are exact";
+
+namespace {
+
+// How wide a floating dtype is (0: not one torchcast measures). A cast to a
+// higher rank is exact; to a lower one, or between the two 16-bit formats,
+// lossy; between the two float8 formats, not supported.
+int float_rank(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return 4;
+    case at::kFloat: return 3;
+    case at::kHalf:
+    case at::kBFloat16: return 2;
+    case at::kFloat8_e4m3fn:
+    case at::kFloat8_e5m2: return 1;
+    default: return 0;
+  }
+}
+
+}  // namespace
 
 CastKind classify_cast(at::ScalarType from, at::ScalarType to) {
-  const auto rank = [](at::ScalarType t) {
-    switch (t) {
-      case at::kDouble: return 3;
-      case at::kFloat: return 2;
-      case at::kHalf:
-      case at::kBFloat16: return 1;
-      default: return 0;
-    }
-  };
-  const int rf = rank(from), rt = rank(to);
+  const int rf = float_rank(from), rt = float_rank(to);
   TORCH_CHECK_TYPE(rf > 0 && rt > 0 && !(rf == 1 && rt == 1 && from != to),
                    "torchcast.cast_with_stats: cannot measure a cast of x from ", dtype_name(from),
                    " to ", dtype_name(to), "; ", kSupportedPairs,
                    ". For other casts use x.to(dtype).");
-  return rf > rt ? CastKind::kNarrowing : CastKind::kExact;
+  return (rf > rt || (rf == rt && from != to)) ? CastKind::kNarrowing : CastKind::kExact;
+}
+
+bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to) {
+  return saturate.value_or(to == at::kFloat8_e4m3fn);
 }
 
 void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out) {
@@ -112,55 +126,96 @@ at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y) {
 
 namespace {
 
-// NaN has every exponent bit set and a nonzero mantissa: its bits without
-// the sign exceed infinity's. Integer compares that gcc vectorizes, several
-// times faster on the CPU than at::isnan(x).sum() on small tensors.
-template <typename Bits>
-int64_t count_nan_bits(const Bits* bits, int64_t begin, int64_t end, Bits abs_mask, Bits inf) {
-  int64_t count = 0;
-  for (int64_t i = begin; i < end; ++i) count += (bits[i] & abs_mask) > inf;
-  return count;
+// The non-finite counts and amax of an exact cast's x, from its bits: NaN
+// has every exponent bit set and a nonzero mantissa (its bits without the
+// sign exceed infinity's), inf exactly infinity's bits. Integer compares that
+// gcc vectorizes, several times faster on the CPU than at::isnan(x).sum() on
+// small tensors.
+struct ExactCounts {
+  int64_t nan = 0, inf = 0;
+  double amax = 0;
+};
+
+template <typename Bits, typename Widen>
+ExactCounts count_exact_dense(const at::Tensor& x, Bits inf_bits, Bits nan_above, Widen widen) {
+  const auto* bits = static_cast<const Bits*>(x.const_data_ptr());
+  constexpr Bits kAbs = static_cast<Bits>(static_cast<Bits>(~Bits{0}) >> 1);
+  const auto chunk = [&](int64_t begin, int64_t end) {
+    ExactCounts c;
+    Bits amax_bits = 0;  // finite magnitudes order as their bits do
+    for (int64_t i = begin; i < end; ++i) {
+      const Bits a = bits[i] & kAbs;
+      c.nan += a > nan_above;
+      c.inf += a == inf_bits;
+      amax_bits = (a < inf_bits && a <= nan_above && a > amax_bits) ? a : amax_bits;
+    }
+    c.amax = widen(amax_bits);
+    return c;
+  };
+  return at::parallel_reduce(
+      0, x.numel(), int64_t{1} << 16, ExactCounts{}, [&](int64_t b, int64_t e, ExactCounts acc) {
+        const ExactCounts c = chunk(b, e);
+        return ExactCounts{acc.nan + c.nan, acc.inf + c.inf, std::max(acc.amax, c.amax)};
+      },
+      [](ExactCounts a, ExactCounts b) {
+        return ExactCounts{a.nan + b.nan, a.inf + b.inf, std::max(a.amax, b.amax)};
+      });
 }
 
-template <typename Bits>
-int64_t count_nan_dense(const at::Tensor& x, Bits abs_mask, Bits inf) {
-  const auto* bits = static_cast<const Bits*>(x.const_data_ptr());
-  return at::parallel_reduce(
-      0, x.numel(), int64_t{1} << 16, int64_t{0},
-      [&](int64_t begin, int64_t end, int64_t count) {
-        return count + count_nan_bits(bits, begin, end, abs_mask, inf);
-      },
-      std::plus<int64_t>());
+ExactCounts count_exact(const at::Tensor& x) {
+  // e4m3fn has no inf: inf_bits is out of reach and 0x7f alone is NaN.
+  switch (x.scalar_type()) {
+    case at::kDouble:
+      return count_exact_dense<uint64_t>(x, 0x7ff0000000000000ULL, 0x7ff0000000000000ULL,
+                                         [](uint64_t b) { return bit_cast<double>(b); });
+    case at::kFloat:
+      return count_exact_dense<uint32_t>(x, 0x7f800000U, 0x7f800000U,
+                                         [](uint32_t b) { return double(bit_cast<float>(b)); });
+    case at::kHalf:
+      return count_exact_dense<uint16_t>(x, 0x7c00, 0x7c00,
+                                         [](uint16_t b) { return double(float_from_half_bits(b)); });
+    case at::kBFloat16:
+      return count_exact_dense<uint16_t>(
+          x, 0x7f80, 0x7f80, [](uint16_t b) { return double(float_from_bfloat16_bits(b)); });
+    case at::kFloat8_e4m3fn:
+      return count_exact_dense<uint8_t>(x, 0xff, 0x7e, [](uint8_t b) {
+        return double(float_from_float8_bits<Float8E4M3FNBits>(b));
+      });
+    default:  // kFloat8_e5m2
+      return count_exact_dense<uint8_t>(x, 0x7c, 0x7c, [](uint8_t b) {
+        return double(float_from_float8_bits<Float8E5M2Bits>(b));
+      });
+  }
 }
 
 }  // namespace
 
 at::Tensor exact_cast_stats(const at::Tensor& x) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf ||
-                       dtype == at::kBFloat16,
-                   "exact_cast_stats: x must be float64, float32, float16 or bfloat16, got ",
-                   dtype_name(dtype));
+  TORCH_CHECK_TYPE(float_rank(dtype) > 0,
+                   "exact_cast_stats: x must be float64, float32, float16, bfloat16, "
+                   "float8_e4m3fn or float8_e5m2, got ", dtype_name(dtype));
   auto stats = at::zeros({kNumStats}, x.options().dtype(at::kDouble));
-  // NaN passes an exact cast unchanged, and is still news (a NaN gradient
-  // widened for the optimizer): counted on the device, without a sync.
+  // NaN and inf pass an exact cast unchanged, and are still news (a NaN
+  // gradient widened for the optimizer): counted on the device, without a sync.
   if (x.is_cpu() && x.is_non_overlapping_and_dense()) {  // one block of numel elements
-    int64_t nan = 0;
-    switch (dtype) {
-      case at::kDouble:
-        nan = count_nan_dense<uint64_t>(x, 0x7fffffffffffffffULL, 0x7ff0000000000000ULL);
-        break;
-      case at::kFloat: nan = count_nan_dense<uint32_t>(x, 0x7fffffffU, 0x7f800000U); break;
-      case at::kHalf: nan = count_nan_dense<uint16_t>(x, 0x7fff, 0x7c00); break;
-      default: nan = count_nan_dense<uint16_t>(x, 0x7fff, 0x7f80); break;  // kBFloat16
-    }
+    const ExactCounts c = count_exact(x);
     auto* values = stats.data_ptr<double>();
     values[kNumel] = static_cast<double>(x.numel());
-    values[kNan] = static_cast<double>(nan);
+    values[kNan] = static_cast<double>(c.nan);
+    values[kInf] = static_cast<double>(c.inf);
+    values[kAmax] = c.amax;
     return stats;
   }
+  // float8 has few kernels in torch; widened to float32, every value is kept.
+  const auto xw = float_rank(dtype) == 1 ? x.to(at::kFloat) : x;
+  const auto finite = at::isfinite(xw);
   stats.select(0, kNumel).fill_(static_cast<double>(x.numel()));
-  stats.select(0, kNan).copy_(at::isnan(x).sum());
+  stats.select(0, kNan).copy_(at::isnan(xw).sum());
+  stats.select(0, kInf).copy_(at::isinf(xw).sum());
+  if (x.numel() > 0) {
+    stats.select(0, kAmax).copy_(at::where(finite, xw.abs(), at::zeros({}, xw.options())).amax());
+  }
   return stats;
 }
 

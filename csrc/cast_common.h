@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/TensorIterator.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -21,6 +22,10 @@ enum class CastKind { kNarrowing, kExact };
 // listing the supported pairs) for anything else.
 CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 
+// saturate as given, or (None) what x.to(dtype) does: torch saturates casts
+// to float8_e4m3fn (+-inf included) and no others.
+bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to);
+
 // Checks a preallocated output for cast_with_stats.out: dtype, shape, device,
 // and that out overlaps neither itself nor x. (Autograd is refused by the
 // Autograd kernel, autograd.cpp.)
@@ -34,53 +39,76 @@ bool may_self_overlap(const at::Tensor& t);
 // reduction follows on every backend.
 at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y);
 
-// The stats of a cast that cannot lose anything: numel and the NaN count; the
-// error sums and sum_sq stay zero (no error, so SQNR is inf regardless).
+// The stats of a cast that cannot lose anything: numel, the NaN and +-inf
+// counts and amax; the error sums and sum_sq stay zero (no error, so SQNR is
+// inf regardless).
 at::Tensor exact_cast_stats(const at::Tensor& x);
 
 // The exact counts of a cast (Count: as wide as the caller needs).
 template <typename Count>
 struct CastCounts {
-  Count nan = 0, inexact = 0, overflow = 0, underflow = 0, subnormal = 0;
+  Count nan = 0, inf = 0, inexact = 0, overflow = 0, saturated = 0, underflow = 0, subnormal = 0;
 
   template <typename Other>
   TC_HD void merge(const CastCounts<Other>& o) {
     nan += o.nan;
+    inf += o.inf;
     inexact += o.inexact;
     overflow += o.overflow;
+    saturated += o.saturated;
     underflow += o.underflow;
     subnormal += o.subnormal;
   }
+
+  template <typename Measure>
+  TC_HD void add(const Measure& m) {
+    nan += m.nan;
+    inf += m.inf;
+    inexact += m.inexact;
+    overflow += m.overflow;
+    saturated += m.saturated;
+    underflow += m.underflow;
+    subnormal += m.subnormal;
+  }
 };
 
-// Per-chunk result of the fused pass: exact counts and maxima, compensated sums.
+// Per-chunk result of the fused pass: exact counts and maxima, and the sums
+// (compensated float32, or float64 for float64 sources: SumsOf).
 // merge() and write() are TC_HD: the CUDA kernels reduce and write these on
 // the device, in the same order as the CPU.
 template <typename From>
 struct ChunkStats {
   CastCounts<int64_t> counts;
-  From max_abs_err = 0, max_rel_err = 0;
-  ErrorSums sums;
+  From max_abs_err = 0, max_rel_err = 0, amax = 0;
+  SumsOf<From> sums;
 
   TC_HD void merge(const ChunkStats& o) {
     counts.merge(o.counts);
     max_abs_err = o.max_abs_err > max_abs_err ? o.max_abs_err : max_abs_err;
     max_rel_err = o.max_rel_err > max_rel_err ? o.max_rel_err : max_rel_err;
+    amax = o.amax > amax ? o.amax : amax;
     sums.merge(o.sums);
   }
 
   TC_HD void write(double* out, int64_t numel) const {
     out[kNumel] = static_cast<double>(numel);
     out[kNan] = static_cast<double>(counts.nan);
+    out[kInf] = static_cast<double>(counts.inf);
     out[kInexact] = static_cast<double>(counts.inexact);
     out[kOverflow] = static_cast<double>(counts.overflow);
+    out[kSaturated] = static_cast<double>(counts.saturated);
     out[kUnderflow] = static_cast<double>(counts.underflow);
     out[kSubnormal] = static_cast<double>(counts.subnormal);
-    out[kMaxAbsErr] = static_cast<double>(max_abs_err);
-    out[kMaxRelErr] = static_cast<double>(max_rel_err);
-    out[kSumAbsErr] = neumaier_value(sums.abs_s, sums.abs_c);
-    out[kSumSqErr] = neumaier_value(sums.sq_err_s, sums.sq_err_c);
-    out[kSumSq] = neumaier_value(sums.sq_s, sums.sq_c);
+    // The maxima are over the measured elements (finite x, finite y). When
+    // every finite x overflowed none is left, and 0 would read as "no
+    // error": an overflow's error is infinite.
+    const bool all_overflowed =
+        counts.overflow > 0 && counts.overflow == numel - counts.nan - counts.inf;
+    const double inf = bit_cast<double>(uint64_t{0x7ff0000000000000});
+    out[kMaxAbsErr] = all_overflowed ? inf : static_cast<double>(max_abs_err);
+    out[kMaxRelErr] = all_overflowed ? inf : static_cast<double>(max_rel_err);
+    out[kAmax] = static_cast<double>(amax);
+    sums.write(out + kSumAbsErr, out + kSumSqErr, out + kSumSq);
   }
 };
 
@@ -89,37 +117,50 @@ struct ChunkStats {
 // whose Backend::narrowing<From, Target>(x, y) writes y = cast(x) and returns
 // the stats; each backend registers these with its own Backend.
 
-// Only the five lossy pairs reach Backend::narrowing.
+// Only lossy pairs reach Backend::narrowing<Src, Target>(x, y, saturate):
+// Src is the source's element type, or the Target naming a 16-bit source.
+template <typename Backend, typename Src>
+at::Tensor narrowing_to(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y, bool saturate) {
+  switch (dtype) {
+    case at::kFloat: return Backend::template narrowing<Src, Float32Target>(x, y, saturate);
+    case at::kHalf: return Backend::template narrowing<Src, Float16Target>(x, y, saturate);
+    case at::kBFloat16: return Backend::template narrowing<Src, BFloat16Target>(x, y, saturate);
+    case at::kFloat8_e4m3fn: return Backend::template narrowing<Src, Float8E4M3FNTarget>(x, y, saturate);
+    default: return Backend::template narrowing<Src, Float8E5M2Target>(x, y, saturate);  // e5m2
+  }
+}
+
 template <typename Backend>
-at::Tensor cast_into(const at::Tensor& x, CastKind kind, at::ScalarType dtype, at::Tensor& y) {
+at::Tensor cast_into(const at::Tensor& x, CastKind kind, at::ScalarType dtype,
+                     std::optional<bool> saturate, at::Tensor& y) {
   if (kind == CastKind::kExact) {
     y.copy_(x);
     return exact_cast_stats(x);
   }
-  if (x.scalar_type() == at::kDouble) {
-    switch (dtype) {
-      case at::kFloat: return Backend::template narrowing<double, Float32Target>(x, y);
-      case at::kHalf: return Backend::template narrowing<double, Float16Target>(x, y);
-      default: return Backend::template narrowing<double, BFloat16Target>(x, y);
-    }
+  const bool sat = resolve_saturate(saturate, dtype);
+  switch (x.scalar_type()) {
+    case at::kDouble: return narrowing_to<Backend, double>(x, dtype, y, sat);
+    case at::kFloat: return narrowing_to<Backend, float>(x, dtype, y, sat);
+    case at::kHalf: return narrowing_to<Backend, Float16Target>(x, dtype, y, sat);
+    default: return narrowing_to<Backend, BFloat16Target>(x, dtype, y, sat);  // bfloat16
   }
-  if (dtype == at::kHalf) return Backend::template narrowing<float, Float16Target>(x, y);
-  return Backend::template narrowing<float, BFloat16Target>(x, y);
 }
 
 template <typename Backend>
-std::tuple<at::Tensor, at::Tensor> cast_with_stats(const at::Tensor& x, at::ScalarType dtype) {
+std::tuple<at::Tensor, at::Tensor> cast_with_stats(const at::Tensor& x, at::ScalarType dtype,
+                                                   std::optional<bool> saturate) {
   const CastKind kind = classify_cast(x.scalar_type(), dtype);
   auto y = at::empty_like(x, x.options().dtype(dtype));
-  auto stats = cast_into<Backend>(x, kind, dtype, y);
+  auto stats = cast_into<Backend>(x, kind, dtype, saturate, y);
   return {y, stats};
 }
 
 template <typename Backend>
-at::Tensor cast_with_stats_out(const at::Tensor& x, at::ScalarType dtype, at::Tensor& out) {
+at::Tensor cast_with_stats_out(const at::Tensor& x, at::ScalarType dtype,
+                               std::optional<bool> saturate, at::Tensor& out) {
   const CastKind kind = classify_cast(x.scalar_type(), dtype);
   check_cast_out(x, dtype, out);
-  return cast_into<Backend>(x, kind, dtype, out);
+  return cast_into<Backend>(x, kind, dtype, saturate, out);
 }
 
 }  // namespace torchcast

@@ -39,12 +39,15 @@ TC_HD To bit_cast(From from) {
 #define TORCHCAST_STATS(X)       \
   X(kNumel, "numel")             \
   X(kNan, "nan")                 \
+  X(kInf, "inf")                 \
   X(kInexact, "inexact")         \
   X(kOverflow, "overflow")       \
+  X(kSaturated, "saturated")     \
   X(kUnderflow, "underflow")     \
   X(kSubnormal, "subnormal")     \
   X(kMaxAbsErr, "max_abs_err")   \
   X(kMaxRelErr, "max_rel_err")   \
+  X(kAmax, "amax")               \
   X(kSumAbsErr, "sum_abs_err")   \
   X(kSumSqErr, "sum_sq_err")     \
   X(kSumSq, "sum_sq")
@@ -192,70 +195,181 @@ TC_HD float float_round_to_odd(double d) {
   return bit_cast<float>(inexact ? (toward_zero | 1u) : u);
 }
 
+// float8 formats (OCP FP8): kMant mantissa bits, exponent bias kBias.
+// float32 -> float8 bits with round-to-nearest-even, branch-free like
+// half_bits_from_float: the subnormal path lets the FPU round by adding a
+// float whose ulp is the float8 subnormal spacing 2^(1 - kBias - kMant); the
+// normal path rebiases and adds just under half an ulp plus the odd bit.
+// |f| >= kFirstOverflow rounds past the largest finite value: that (and inf)
+// becomes kOverflow, the format's own answer (e5m2: inf; e4m3fn, which has no
+// inf: NaN). NaN becomes kNaN with f's sign, as c10 writes it.
+struct Float8E4M3FNBits {
+  static constexpr int kMant = 3, kBias = 7;
+  static constexpr uint32_t kFirstOverflow = 0x43e80001u;  // just above 464, the tie 448|480
+  static constexpr uint8_t kMaxBits = 0x7e;                // 448
+  static constexpr uint8_t kOverflow = 0x7f, kNaN = 0x7f;
+  static constexpr float min_normal = 0.015625f;  // 2^-6
+  TC_HD static bool special(uint32_t em) { return em == 0x7fu; }
+  TC_HD static uint32_t special_bits(uint32_t) { return 0x7fc00000u; }
+};
+
+struct Float8E5M2Bits {
+  static constexpr int kMant = 2, kBias = 15;
+  static constexpr uint32_t kFirstOverflow = 0x47700000u;  // 61440, the tie 57344|inf: to even, inf
+  static constexpr uint8_t kMaxBits = 0x7b;                // 57344
+  static constexpr uint8_t kOverflow = 0x7c, kNaN = 0x7f;  // inf, and c10's NaN
+  static constexpr float min_normal = 6.103515625e-05f;    // 2^-14
+  TC_HD static bool special(uint32_t em) { return em >= 0x7cu; }
+  TC_HD static uint32_t special_bits(uint32_t em) { return 0x7f800000u | ((em & 3u) << 21); }
+};
+
+template <typename F8>
+TC_HD uint8_t float8_bits_from_float(float f) {
+  constexpr int kShift = 23 - F8::kMant;
+  constexpr uint32_t kMagic = static_cast<uint32_t>(151 - F8::kBias - F8::kMant) << 23;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - F8::kBias) << 23;
+  const uint32_t w = bit_cast<uint32_t>(f);
+  const uint32_t sign = (w >> 24) & 0x80u;
+  const uint32_t u = w & 0x7fffffffu;
+  const uint32_t subnormal = bit_cast<uint32_t>(bit_cast<float>(u) + bit_cast<float>(kMagic)) - kMagic;
+  const uint32_t normal = (u - (static_cast<uint32_t>(127 - F8::kBias) << 23) +
+                           ((1u << (kShift - 1)) - 1u) + ((u >> kShift) & 1u)) >> kShift;
+  const uint32_t mag = u > 0x7f800000u ? F8::kNaN
+                       : u >= F8::kFirstOverflow ? F8::kOverflow
+                       : u < kMinNormal          ? subnormal
+                                                 : normal;
+  return static_cast<uint8_t>(sign | mag);
+}
+
+template <typename F8>
+TC_HD float float_from_float8_bits(uint8_t b) {
+  constexpr int kShift = 23 - F8::kMant;
+  // 2^(1 - kBias - kMant), the subnormal spacing: em times it is exact.
+  constexpr float kSpacing = 1.0f / static_cast<float>(1u << (F8::kBias + F8::kMant - 1));
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t em = b & 0x7fu;
+  const uint32_t normal = (em << kShift) + (static_cast<uint32_t>(127 - F8::kBias) << 23);
+  const uint32_t subnormal = bit_cast<uint32_t>(static_cast<float>(em) * kSpacing);
+  const uint32_t mag = F8::special(em) ? F8::special_bits(em)
+                       : em >= (1u << F8::kMant) ? normal
+                                                 : subnormal;
+  return bit_cast<float>(sign | mag);
+}
+
 // Target formats: storage bits, correctly rounded narrowing from float32 or
-// float64, exact widening back, and the smallest normal magnitude.
+// float64, exact widening back, the smallest normal magnitude, and the
+// largest finite value of either sign (what saturation clamps to).
 struct Float32Target {
   using storage = float;
   static constexpr float min_normal = 1.17549435082228750797e-38f;
   TC_HD static float round(double d) { return float_from_double(d); }
   TC_HD static float round(float f) { return f; }
   TC_HD static float widen(float s) { return s; }
+  TC_HD static float largest(bool negative) {
+    return negative ? -3.40282346638528859812e+38f : 3.40282346638528859812e+38f;
+  }
 };
 
-// float16 and bfloat16: Bits converts float32 to the 16-bit format and back;
-// float64 goes through float_round_to_odd so that the two roundings equal one.
+// Formats with at most 22 significant bits (float16, bfloat16, float8):
+// Bits converts float32 to the format and back; float64 goes through
+// float_round_to_odd so that the two roundings equal one.
 template <typename Bits>
-struct Narrow16Target {
-  using storage = uint16_t;
+struct NarrowTarget {
+  using storage = typename Bits::storage;
   static constexpr float min_normal = Bits::min_normal;
-  TC_HD static uint16_t round(float f) { return Bits::from_float(f); }
-  TC_HD static uint16_t round(double d) { return Bits::from_float(float_round_to_odd(d)); }
-  TC_HD static float widen(uint16_t s) { return Bits::to_float(s); }
+  TC_HD static storage round(float f) { return Bits::from_float(f); }
+  TC_HD static storage round(double d) { return Bits::from_float(float_round_to_odd(d)); }
+  TC_HD static float widen(storage s) { return Bits::to_float(s); }
+  TC_HD static storage largest(bool negative) {
+    return static_cast<storage>(Bits::kMaxBits | (negative ? Bits::kSignBit : 0u));
+  }
 };
 
 struct HalfBits {
+  using storage = uint16_t;
   static constexpr float min_normal = 6.103515625e-05f;
+  static constexpr uint32_t kMaxBits = 0x7bffu, kSignBit = 0x8000u;
   TC_HD static uint16_t from_float(float f) { return half_bits_from_float(f); }
   TC_HD static float to_float(uint16_t h) { return float_from_half_bits(h); }
 };
-using Float16Target = Narrow16Target<HalfBits>;
+using Float16Target = NarrowTarget<HalfBits>;
 
 struct BFloat16Bits {
+  using storage = uint16_t;
   static constexpr float min_normal = 1.17549435082228750797e-38f;
+  static constexpr uint32_t kMaxBits = 0x7f7fu, kSignBit = 0x8000u;
   TC_HD static uint16_t from_float(float f) { return bfloat16_bits_from_float(f); }
   TC_HD static float to_float(uint16_t b) { return float_from_bfloat16_bits(b); }
 };
-using BFloat16Target = Narrow16Target<BFloat16Bits>;
+using BFloat16Target = NarrowTarget<BFloat16Bits>;
+
+template <typename F8>
+struct Float8Bits {
+  using storage = uint8_t;
+  static constexpr float min_normal = F8::min_normal;
+  static constexpr uint32_t kMaxBits = F8::kMaxBits, kSignBit = 0x80u;
+  TC_HD static uint8_t from_float(float f) { return float8_bits_from_float<F8>(f); }
+  TC_HD static float to_float(uint8_t b) { return float_from_float8_bits<F8>(b); }
+};
+using Float8E4M3FNTarget = NarrowTarget<Float8Bits<Float8E4M3FNBits>>;
+using Float8E5M2Target = NarrowTarget<Float8Bits<Float8E5M2Bits>>;
+
+// Source formats: how an element of x is stored, and the type its error is
+// computed in, which holds every value of x exactly. float and double are
+// their own; a float16 or bfloat16 source (named by its Target) widens to
+// float32.
+template <typename S>
+struct SourceFormat {
+  using storage = S;
+  using wide = S;
+  TC_HD static S widen(S x) { return x; }
+};
+
+template <typename Bits>
+struct SourceFormat<NarrowTarget<Bits>> {
+  using storage = typename Bits::storage;
+  using wide = float;
+  TC_HD static float widen(storage s) { return Bits::to_float(s); }
+};
 
 // ---------------------------------------------------------------------------
 // What one element contributes to the statistics. The error terms are over
 // finite x whose y is finite; the relative error also needs x != 0.
+// saturate: x beyond the target's range (rounding past its largest finite
+// value, or +-inf) becomes that largest value, with x's sign.
 template <typename Target, typename From>
 struct ElementMeasure {
   typename Target::storage y;
-  bool nan, inexact, overflow, underflow, subnormal;
-  From abs_err, rel_err;
-  float abs_err_f, sq_err_f, sq_f;
+  bool nan, inf, inexact, overflow, saturated, underflow, subnormal;
+  From abs_err, rel_err, amax;
+  From sq_err, sq;  // the terms of the sums: (x - y)^2 and x^2, over the measured elements
 
-  TC_HD explicit ElementMeasure(From x) {
-    y = Target::round(x);
-    const From back = static_cast<From>(Target::widen(y));
+  TC_HD ElementMeasure(From x, bool saturate) {
     // x - x is 0 exactly for finite x and NaN for inf/NaN: a branch-free test.
     const bool x_finite = (x - x) == From(0);
+    const typename Target::storage rounded = Target::round(x);
+    const From rounded_back = static_cast<From>(Target::widen(rounded));
+    // Beyond the range: x is +-inf, or finite and rounded to inf/NaN.
+    const bool beyond = x == x && (rounded_back - rounded_back) != From(0);
+    saturated = saturate && beyond;
+    y = saturated ? Target::largest(x < From(0)) : rounded;
+    const From back = saturated ? static_cast<From>(Target::widen(y)) : rounded_back;
     const bool y_finite = (back - back) == From(0);
     const bool measured = x_finite && y_finite;
     nan = x != x;
+    inf = x == x && !x_finite;
     inexact = x_finite && back != x;
     overflow = x_finite && !y_finite;
     underflow = x != From(0) && back == From(0);
     subnormal = back != From(0) && fabs(back) < From(Target::min_normal);
-    // x - back is exact: a value minus its rounding to a narrower format.
+    amax = x_finite ? fabs(x) : From(0);
+    // x - back is exact where back is x rounded to a narrower format; a
+    // saturated x may be far from back, and then it is rounded once.
     abs_err = measured ? fabs(x - back) : From(0);
     const From denom = (measured && x != From(0)) ? fabs(x) : From(1);
     rel_err = abs_err / denom;
-    abs_err_f = static_cast<float>(abs_err);
-    sq_err_f = static_cast<float>(abs_err * abs_err);
-    sq_f = measured ? static_cast<float>(x * x) : 0.f;
+    sq_err = abs_err * abs_err;
+    sq = measured ? x * x : From(0);
   }
 };
 
@@ -279,18 +393,66 @@ constexpr int vec_of() { return static_cast<int>(16 / sizeof(From)); }
 template <typename From>
 constexpr int lanes_of() { return kBlockThreads * vec_of<From>(); }
 
-// A compensated triple: sum |x - y|, sum (x - y)^2 and sum x^2.
+// The three sums of the cast statistics, sum |x - y|, sum (x - y)^2 and
+// sum x^2, for float32 and narrower sources: compensated float32 pairs.
 struct ErrorSums {
   float abs_s = 0.f, abs_c = 0.f;
   float sq_err_s = 0.f, sq_err_c = 0.f;
   float sq_s = 0.f, sq_c = 0.f;
 
+  TC_HD void add(float abs_err, float sq_err, float sq) {
+    neumaier_add(abs_s, abs_c, abs_err);
+    neumaier_add(sq_err_s, sq_err_c, sq_err);
+    neumaier_add(sq_s, sq_c, sq);
+  }
   TC_HD void merge(const ErrorSums& o) {
     neumaier_merge(abs_s, abs_c, o.abs_s, o.abs_c);
     neumaier_merge(sq_err_s, sq_err_c, o.sq_err_s, o.sq_err_c);
     neumaier_merge(sq_s, sq_c, o.sq_s, o.sq_c);
   }
+  TC_HD void write(double* abs_out, double* sq_err_out, double* sq_out) const {
+    *abs_out = neumaier_value(abs_s, abs_c);
+    *sq_err_out = neumaier_value(sq_err_s, sq_err_c);
+    *sq_out = neumaier_value(sq_s, sq_c);
+  }
 };
+
+// The same sums for float64 sources: plain float64 sums. A float64 x's
+// square exceeds float32's range from |x| ~ 1.8e19 on (and underflows it
+// below ~1e-23), while float64 holds the square of every value a narrower
+// target keeps finite; n plain additions of nonnegative terms stay within
+// n * 2^-53 of the exact sum, 2^-22 for 2^31 terms.
+struct PlainSums {
+  double abs = 0.0, sq_err = 0.0, sq = 0.0;
+
+  TC_HD void add(double abs_err, double sq_err_term, double sq_term) {
+    abs += abs_err;
+    sq_err += sq_err_term;
+    sq += sq_term;
+  }
+  TC_HD void merge(const PlainSums& o) {
+    abs += o.abs;
+    sq_err += o.sq_err;
+    sq += o.sq;
+  }
+  TC_HD void write(double* abs_out, double* sq_err_out, double* sq_out) const {
+    *abs_out = abs;
+    *sq_err_out = sq_err;
+    *sq_out = sq;
+  }
+};
+
+// The sums of a source whose errors are computed in Wide (float or double).
+template <typename Wide>
+struct SumsOfT {
+  using type = ErrorSums;
+};
+template <>
+struct SumsOfT<double> {
+  using type = PlainSums;
+};
+template <typename Wide>
+using SumsOf = typename SumsOfT<Wide>::type;
 
 // Reduces kBlockThreads per-thread values (already combined over their vec
 // lanes, lane 0 first) in place, in the order of a CUDA block doing

@@ -10,12 +10,26 @@ FORMATS = {
     torch.float32: (23, -126, 127),
     torch.float16: (10, -14, 15),
     torch.bfloat16: (7, -126, 127),
+    torch.float8_e4m3fn: (3, -6, 8),
+    torch.float8_e5m2: (2, -14, 15),
 }
+# OCP's e4m3fn spends the top mantissa code of its top binade on NaN: its
+# largest value is 448, not 480, and it has no inf (overflow is NaN).
+LARGEST = {dtype: (2.0 - 2.0 ** -m) * 2.0 ** emax for dtype, (m, _, emax) in FORMATS.items()}
+LARGEST[torch.float8_e4m3fn] = 448.0
+
+
+def default_saturate(dtype):
+    """What x.to(dtype) does: torch saturates float8_e4m3fn only."""
+    return dtype == torch.float8_e4m3fn
 
 
 @np.errstate(over="ignore", invalid="ignore")
-def round_to_format(x, dtype):
-    """Rounds float64 values to the nearest value of dtype, ties to even, once."""
+def round_to_format(x, dtype, saturate=False):
+    """Rounds float64 values to the nearest value of dtype, ties to even, once
+    (with an unbounded exponent, then overflow as the format has it: inf, or
+    NaN for e4m3fn); with saturate, values beyond the range (inf included)
+    become +-largest instead."""
     mant, emin, emax = FORMATS[dtype]
     x = np.asarray(x, dtype=np.float64)
     ax = np.abs(x)
@@ -23,8 +37,10 @@ def round_to_format(x, dtype):
     _, e = np.frexp(np.where(finite, ax, 1.0))  # ax = m * 2**e, m in [0.5, 1)
     quantum = np.ldexp(1.0, np.maximum(e - 1, emin) - mant)
     y = np.round(ax / quantum) * quantum
-    y = np.where(y >= 2.0 ** (emax + 1), np.inf, y)
+    beyond = ~np.isnan(x) & ((y > LARGEST[dtype]) | np.isinf(x))
+    overflow = np.nan if dtype == torch.float8_e4m3fn else np.inf
     y = np.where(finite, y, ax)
+    y = np.where(beyond, LARGEST[dtype] if saturate else overflow, y)
     return np.copysign(y, x)
 
 
@@ -37,43 +53,64 @@ def min_normal(dtype):
 
 
 @np.errstate(over="ignore", invalid="ignore")
-def stats_of_values(xs, ys, src_dtype, tiny):
+def stats_of_values(xs, ys, src_dtype, tiny, saturated=0):
     """Exact statistics of "xs became ys" (numpy float64 arrays; src_dtype
     is x's torch dtype, tiny the smallest normal of y's dtype), per
     CastStats' definitions.
 
     Errors are computed in float64 (exact for differences of a value and its
-    rounding); max_rel_err is divided in float64 for float64 sources and in
-    float32 otherwise, as the kernel divides in its input's dtype (float16
-    and bfloat16 inputs are widened to float32)."""
+    rounding) and rounded to the type the kernel computes them in, float64
+    for float64 sources and float32 otherwise (float16 and bfloat16 inputs
+    are widened to float32): only a saturated value's error can change.
+    max_rel_err is divided in that type too. ``saturated``: how many
+    elements were clamped (the caller knows which)."""
     x_finite, y_finite = np.isfinite(xs), np.isfinite(ys)
     measured = x_finite & y_finite
-    err = np.where(measured, np.abs(xs - ys), 0.0)
     np_src = np.float64 if src_dtype == torch.float64 else np.float32
+    err = np.where(measured, np.abs(xs - ys), 0.0).astype(np_src).astype(np.float64)
     rel = np.zeros_like(err)
     nz = measured & (xs != 0)
     rel[nz] = err[nz].astype(np_src) / np.abs(xs[nz]).astype(np_src)
+    overflow = int((x_finite & ~y_finite).sum())
+    nan, inf = int(np.isnan(xs).sum()), int(np.isinf(xs).sum())
+    all_overflowed = overflow > 0 and overflow == xs.size - nan - inf
     return {
         "numel": xs.size,
-        "nan": int(np.isnan(xs).sum()),
+        "nan": nan,
+        "inf": inf,
         "inexact": int((x_finite & (ys != xs)).sum()),
-        "overflow": int((x_finite & ~y_finite).sum()),
+        "overflow": overflow,
+        "saturated": saturated,
         "underflow": int(((xs != 0) & ~np.isnan(xs) & (ys == 0)).sum()),
         "subnormal": int(((ys != 0) & (np.abs(ys) < tiny)).sum()),
-        "max_abs_err": float(err.max()) if err.size else 0.0,
-        "max_rel_err": float(rel.max()) if rel.size else 0.0,
-        "sum_abs_err": math.fsum(err.tolist()),
-        "sum_sq_err": math.fsum((err * err).tolist()),
-        "sum_sq": math.fsum(np.where(measured, xs * xs, 0.0).tolist()),
+        "max_abs_err": math.inf if all_overflowed else float(err.max()) if err.size else 0.0,
+        "max_rel_err": math.inf if all_overflowed else float(rel.max()) if rel.size else 0.0,
+        "amax": float(np.abs(xs[x_finite]).max()) if x_finite.any() else 0.0,
+        "sum_abs_err": _fsum(err),
+        "sum_sq_err": _fsum(err * err),
+        "sum_sq": _fsum(np.where(measured, xs * xs, 0.0)),
     }
 
 
-def stats_reference(x, dtype):
+def _fsum(terms):
+    """math.fsum of nonnegative terms; inf where the exact sum exceeds the
+    float64 range (fsum raises there)."""
+    try:
+        return math.fsum(terms.tolist())
+    except OverflowError:
+        return math.inf
+
+
+def stats_reference(x, dtype, saturate=None):
     """Exact statistics of casting tensor x to dtype, correctly rounded (the
-    rounded values under "y")."""
+    rounded values under "y"); saturate None: as x.to(dtype)."""
+    saturate = default_saturate(dtype) if saturate is None else saturate
     xs = to_numpy64(x).ravel()
-    y = round_to_format(xs, dtype)
-    return {**stats_of_values(xs, y, x.dtype, min_normal(dtype)), "y": y}
+    y = round_to_format(xs, dtype, saturate)
+    saturated = 0
+    if saturate:
+        saturated = int((~np.isnan(xs) & ~np.isfinite(round_to_format(xs, dtype))).sum())
+    return {**stats_of_values(xs, y, x.dtype, min_normal(dtype), saturated), "y": y}
 
 
 @np.errstate(over="ignore")
@@ -83,7 +120,7 @@ def edge_values(src, dst):
     rounding midpoints and the overflow threshold of dst."""
     np_src = np.float32 if src == torch.float32 else np.float64
     mant, emin, emax = FORMATS[dst]
-    big = (2.0 - 2.0 ** -mant) * 2.0 ** emax
+    big = LARGEST[dst]
     ulp_top = 2.0 ** (emax - mant)
     tiny = 2.0 ** emin
     sub = 2.0 ** (emin - mant)

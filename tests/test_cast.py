@@ -22,8 +22,8 @@ from numpy_ref import edge_values, round_to_format, stats_reference, to_numpy64
 op = torch.ops.torchcast.cast_with_stats
 PAIRS = cast_ref.LOSSY_PAIRS
 PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
-BITS = {torch.float64: torch.int64, torch.float32: torch.int32,
-        torch.float16: torch.int16, torch.bfloat16: torch.int16}
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
 EXACT_FIELDS = ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
                 "max_abs_err", "max_rel_err")
 SUM_FIELDS = ("sum_abs_err", "sum_sq_err", "sum_sq")
@@ -356,27 +356,29 @@ def test_more_than_2_31_elements():
                                                   marks=pytest.mark.cuda_cases)])
 @pytest.mark.parametrize("shape", [(10, 3), pytest.param((70001,), marks=pytest.mark.cuda_cases)])
 def test_exact_casts_zero_loss_and_copy(device, src, dst, shape):
-    """An exact cast loses nothing; its stats are numel and the NaN it
-    carries (a NaN gradient widened for the optimizer is still news)."""
+    """An exact cast loses nothing; its stats are numel, the NaN it carries
+    (a NaN gradient widened for the optimizer is still news) and amax."""
     x = torch.randn(shape).to(src)
     x.view(-1)[::7] = math.nan
     y, s = op_stats(x, dst, device)
     x = on_device(x, device)
     assert y.data_ptr() != x.data_ptr()
     assert torch.equal(y.isnan(), x.isnan()) and torch.equal(y.nan_to_num(), x.to(dst).nan_to_num())
-    assert s == CastStats(src, dst, numel=x.numel(), nan=-(-x.numel() // 7))
+    amax = x.double().nan_to_num(0.0).abs().max().item()
+    assert s == CastStats(src, dst, numel=x.numel(), nan=-(-x.numel() // 7), amax=amax)
     assert torch.equal(cast_ref.cast_with_stats(x.cpu(), dst)[1], op(x.cpu(), dst)[1])
 
 
-@pytest.mark.parametrize("src,dst", [(torch.int32, torch.float32), (torch.float16, torch.bfloat16),
-                                     (torch.bfloat16, torch.float16), (torch.float32, torch.int64),
+@pytest.mark.parametrize("src,dst", [(torch.int32, torch.float32),
+                                     (torch.float8_e4m3fn, torch.float8_e5m2),
+                                     (torch.float8_e5m2, torch.float8_e4m3fn), (torch.float32, torch.int64),
                                      (torch.complex64, torch.float32), (torch.bool, torch.float16)])
 def test_unsupported_pairs_name_both_dtypes(device, src, dst):
     x = torch.zeros(3, dtype=src, device=device)
     with pytest.raises(TypeError) as err:
         torch.ops.torchcast.cast_with_stats(x, dst)
     msg = str(err.value)
-    assert str(src) in msg and str(dst) in msg and "float64->float16" in msg
+    assert str(src) in msg and str(dst) in msg and "float16<->bfloat16" in msg
 
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
@@ -384,9 +386,23 @@ def test_opcheck(device, src, dst):
     x = (torch.randn(33, 7, dtype=torch.float64) * 1e3).to(src).to(device)
     torch.library.opcheck(op.default, (x, dst))
     torch.library.opcheck(op.default, (x.t(), dst))
-    torch.library.opcheck(op.default, (x.clone().requires_grad_(), dst))
-    torch.library.opcheck(op.default, (x.t().requires_grad_(), dst))
-    torch.library.opcheck(op.out, (x, dst), {"out": torch.empty(33, 7, dtype=dst, device=device)})
+    # Two of opcheck's tests do arithmetic on y that torch has no float8
+    # kernels for: the AOT test backpropagates through it (sum) and compares
+    # a mutated out, the schema test compares a mutated out (mul). The other
+    # pairs run them on the same schema; tests/test_float8.py compiles the
+    # float8 out= variant and checks the backward.
+    float8 = dst.itemsize == 1
+    grad_tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    grad_tests += () if float8 else ("test_aot_dispatch_dynamic",)
+    out_tests = ("test_autograd_registration", "test_faketensor")
+    out_tests += () if float8 else ("test_aot_dispatch_dynamic", "test_schema")
+    torch.library.opcheck(op.default, (x.clone().requires_grad_(), dst), test_utils=grad_tests)
+    torch.library.opcheck(op.default, (x.t().requires_grad_(), dst), test_utils=grad_tests)
+    torch.library.opcheck(op.out, (x, dst), {"out": torch.empty(33, 7, dtype=dst, device=device)},
+                          test_utils=out_tests)
+    torch.library.opcheck(op.default, (x, dst), {"saturate": True})
+    # In range: e4m3fn's overflow is NaN, and opcheck compares with NaN != NaN.
+    torch.library.opcheck(op.default, (x / 1e3, dst), {"saturate": False})
 
 
 def test_opcheck_same_dtype_returns_copy():
@@ -397,7 +413,7 @@ def test_opcheck_same_dtype_returns_copy():
 def test_meta_tensors_use_the_fake_kernel():
     x = torch.empty(4, 5, dtype=torch.float64, device="meta")
     y, stats = torch.ops.torchcast.cast_with_stats(x, torch.float16)
-    assert y.device.type == "meta" and y.shape == (4, 5) and stats.shape == (11,)
+    assert y.device.type == "meta" and y.shape == (4, 5) and stats.shape == (len(STAT_FIELDS),)
 
 
 # --- hypothesis: random shapes, strides and pairs -------------------------------
@@ -722,7 +738,8 @@ ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtyp
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_unsupported_dtype_named_as_python_writes_it(dtype):
-    if dtype in cast_ref.LOSSY_PAIRS[0] + (torch.float16, torch.bfloat16):
+    if dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                 torch.float8_e4m3fn, torch.float8_e5m2):
         return
     x = torch.zeros(3)
     for cast in (torch.ops.torchcast.cast_with_stats, cast_ref.cast_with_stats):
@@ -820,7 +837,7 @@ def test_out_on_another_device_raises_before_writing():
     assert bool((out == 7).all())
     # all on meta: the fake kernel, as before
     stats = torch.ops.torchcast.cast_with_stats.out(x.to("meta"), torch.float16, out=out_meta)
-    assert stats.device.type == "meta" and stats.shape == (11,)
+    assert stats.device.type == "meta" and stats.shape == (len(STAT_FIELDS),)
 
 
 def adam_operands(device="cpu"):
@@ -946,6 +963,33 @@ def test_exact_cast_stats_count_every_nan_bit_pattern(device, dtype, layout):
     stats = _ops.exact_cast_stats(x)
     assert stats.device == x.device and stats.dtype == torch.float64
     expected = torch.zeros(len(STAT_FIELDS), dtype=torch.float64)
-    expected[0], expected[1] = x.numel(), torch.isnan(x).sum().item()
+    xd = x.cpu().double()
+    for name, value in (("numel", x.numel()), ("nan", torch.isnan(xd).sum().item()),
+                        ("inf", torch.isinf(xd).sum().item()),
+                        ("amax", torch.where(torch.isfinite(xd), xd.abs(), 0).max().item()
+                         if x.numel() else 0)):
+        expected[STAT_FIELDS.index(name)] = value
     assert torch.equal(stats.cpu(), expected)
     assert torch.equal(cast_ref.exact_cast_stats(x.cpu()), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_exact_cast_stats_of_every_float8_value(device, dtype, layout):
+    """A float8 x widened exactly: NaN, inf and amax over all 256 bit
+    patterns, against ml_dtypes' decoding (e4m3fn has no inf; its NaN is
+    0x7f/0xff, e5m2's are 0x7d-0x7f/0xfd-0xff)."""
+    import ml_dtypes
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    x = codes.repeat(300).view(dtype)  # past a 2^16 chunk
+    x = x if layout == "contiguous" else x[::3]
+    np_dtype = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+                torch.float8_e5m2: ml_dtypes.float8_e5m2}[dtype]
+    v = x.view(torch.uint8).numpy().view(np_dtype).astype(np.float64)
+    stats = CastStats.from_tensor(_ops.exact_cast_stats(on_device(x, device)))
+    assert (stats.numel, stats.nan, stats.inf) == (v.size, np.isnan(v).sum(), np.isinf(v).sum())
+    assert stats.amax == np.abs(v[np.isfinite(v)]).max()
+    for wide in (torch.float32, torch.bfloat16, torch.float16):
+        y, s = torch.ops.torchcast.cast_with_stats(on_device(x, device), wide)
+        assert s.cpu().tolist() == _ops.exact_cast_stats(on_device(x, device)).cpu().tolist()
+        assert np.array_equal(y.cpu().double().numpy(), v, equal_nan=True)

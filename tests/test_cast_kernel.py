@@ -19,7 +19,7 @@ from torchcast._reference import cast as cast_ref
 PAIRS = cast_ref.LOSSY_PAIRS
 PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
 BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
+        torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
 OP = torch.ops.torchcast.cast_with_stats
 
 
@@ -60,7 +60,9 @@ def data(n, src, kind, g):
     if kind == "bits":
         if src == torch.float64:
             return torch.randint(-2 ** 63, 2 ** 63 - 1, (n,), dtype=torch.int64, generator=g).view(src)
-        return torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32, generator=g).view(src)
+        if src == torch.float32:
+            return torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32, generator=g).view(src)
+        return torch.randint(-2 ** 15, 2 ** 15, (n,), dtype=torch.int32, generator=g).to(torch.int16).view(src)
     if kind == "midpoints":
         return midpoints(n, g).to(src)
     x = torch.randn(n, dtype=torch.float64, generator=g).to(src)  # "specials": sprinkled

@@ -49,11 +49,14 @@ def test_stat_fields_follow_the_cpp_stat_index():
 
 
 def test_table_groups_and_merge_rules():
-    assert STAT_FIELDS == ("numel", "nan", "inexact", "overflow", "underflow", "subnormal",
-                           "max_abs_err", "max_rel_err", "sum_abs_err", "sum_sq_err", "sum_sq")
+    assert STAT_FIELDS == ("numel", "nan", "inf", "inexact", "overflow", "saturated", "underflow",
+                           "subnormal", "max_abs_err", "max_rel_err", "amax", "sum_abs_err",
+                           "sum_sq_err", "sum_sq")
+    assert MAX_FIELDS == ("max_abs_err", "max_rel_err", "amax")
     assert sorted(COUNT_FIELDS + MAX_FIELDS + SUM_FIELDS) == sorted(STAT_FIELDS)
-    a = CastStats(torch.float64, torch.float16, *range(1, 12))
-    b = CastStats(torch.float64, torch.float16, *range(11, 0, -1))
+    n = len(STAT_FIELDS)
+    a = CastStats(torch.float64, torch.float16, *range(1, n + 1))
+    b = CastStats(torch.float64, torch.float16, *range(n, 0, -1))
     merged = a + b
     for name in STAT_FIELDS:
         pick = max if name in MAX_FIELDS else (lambda u, v: u + v)

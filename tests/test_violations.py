@@ -25,7 +25,8 @@ def stats(dtype=torch.float16, **counts):
     ("none", {}), ("", {}),
     ({"nan": 0, "underflow": 0.5}, {"nan": 0.0, "underflow": 0.5}),
     (["graph_cut", "overflow"], {"overflow": 0.0, "graph_cut": 0.0}),
-    (None, {"overflow": 0.0, "underflow": 0.01, "graph_cut": 0.0, "imag_dropped": 0.0}),
+    (None, {"overflow": 0.0, "saturated": 0.0, "underflow": 0.01, "graph_cut": 0.0,
+            "imag_dropped": 0.0}),
 ])
 def test_specifications_parse_and_print_back(spec, thresholds):
     v = Violations(spec)
@@ -35,7 +36,7 @@ def test_specifications_parse_and_print_back(spec, thresholds):
 
 @pytest.mark.parametrize("spec, match", [
     ("overflow,inexact", r"unknown kind 'inexact' in violations='overflow,inexact'; the kinds "
-                         r"are overflow, nan, underflow"),
+                         r"are overflow, saturated, nan, underflow"),
     ("underflow>100%", r"must be a fraction of the elements in \[0, 1\).*got 1\.0"),
     ("underflow>-0.1", r"must be a fraction.*got -0\.1"),
     ("underflow>x", r"cannot read 'underflow>x'.*KIND>FRACTION"),

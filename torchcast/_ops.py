@@ -57,13 +57,13 @@ def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
 # cast_with_stats
 
 @torch.library.register_fake("torchcast::cast_with_stats")
-def _cast_with_stats_fake(x, dtype):
+def _cast_with_stats_fake(x, dtype, *, saturate=None):
     cast_reference.classify_cast(x.dtype, dtype)
     return torch.empty_like(x, dtype=dtype), x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
 @torch.library.register_fake("torchcast::cast_with_stats.out")
-def _cast_with_stats_out_fake(x, dtype, *, out):
+def _cast_with_stats_out_fake(x, dtype, *, saturate=None, out):
     cast_reference.classify_cast(x.dtype, dtype)
     cast_reference.check_out_devices(x, out)
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
@@ -96,17 +96,17 @@ def _warn_fallback(device, stacklevel=3):
             RuntimeWarning, stacklevel=stacklevel)
 
 
-def cast_with_stats(x, dtype, out=None):
+def cast_with_stats(x, dtype, out=None, saturate=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
     if not has_kernel("cast_with_stats", x.device):
         _warn_fallback(x.device)
         if x.requires_grad and torch.is_grad_enabled() and out is None:
-            y, stats = cast_reference.cast_with_stats(x.detach(), dtype)
+            y, stats = cast_reference.cast_with_stats(x.detach(), dtype, saturate=saturate)
             return _FallbackCast.apply(x, y), stats
-        return cast_reference.cast_with_stats(x, dtype, out)
+        return cast_reference.cast_with_stats(x, dtype, out, saturate)
     if out is not None:
-        return out, _ops.cast_with_stats.out(x, dtype, out=out)
-    return _ops.cast_with_stats(x, dtype)
+        return out, _ops.cast_with_stats.out(x, dtype, saturate=saturate, out=out)
+    return _ops.cast_with_stats(x, dtype, saturate=saturate)
 
 
 class _FallbackCast(torch.autograd.Function):

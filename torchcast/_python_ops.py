@@ -45,14 +45,14 @@ def _warn_once():
             "compiled kernels.", RuntimeWarning, stacklevel=_user_stacklevel())
 
 
-def _cast_with_stats(x, dtype):
+def _cast_with_stats(x, dtype, *, saturate=None):
     _warn_once()
-    return cast_reference.cast_with_stats(x, dtype)
+    return cast_reference.cast_with_stats(x, dtype, saturate=saturate)
 
 
-def _cast_with_stats_out(x, dtype, *, out):
+def _cast_with_stats_out(x, dtype, *, saturate=None, out):
     _warn_once()
-    return cast_reference.cast_with_stats(x, dtype, out)[1]
+    return cast_reference.cast_with_stats(x, dtype, out, saturate)[1]
 
 
 def _adam_step_(*lists, **kwargs):

@@ -218,7 +218,12 @@ def violation_message(x: torch.Tensor, y: torch.Tensor, s: CastStats, rtol: Opti
     if integer:
         fields = (("nan", "NaN"), ("overflow", "out of range or infinite"))
     else:
-        fields = (("nan", "were NaN (passed through)"), ("overflow", "overflowed to inf"),
+        # float8_e4m3fn has no inf: its overflow is NaN.
+        to = "NaN" if s.dtype == torch.float8_e4m3fn else "inf"
+        largest = f"{torch.finfo(s.dtype).max:g}" if s.dtype is not None else "largest"
+        infs = f" ({min(s.inf, s.saturated)} of them ±inf)" if s.inf else ""
+        fields = (("nan", "were NaN (passed through)"), ("overflow", f"overflowed to {to}"),
+                  ("saturated", f"saturated to ±{largest}{infs}"),
                   ("underflow", "underflowed to zero"), ("subnormal", "became subnormal"))
     for field, what in fields:
         if getattr(s, field):
@@ -344,15 +349,19 @@ def _integer_cast_stats(x, dtype):
     rel = err / torch.where(measured & (xd != 0), xd.abs(), torch.ones_like(xd))
     nan = torch.isnan(xd)
     n = x.numel()
+    finite = torch.isfinite(xd)
     values = {
         "numel": torch.full((), n, dtype=torch.float64, device=x.device),
         "nan": nan.sum(),
+        "inf": torch.isinf(xd).sum(),
         "inexact": (~measured | (xd != back)).sum(),
         "overflow": (~measured & ~nan).sum() if dtype != torch.bool else zero,
+        "saturated": zero,
         "underflow": zero,
         "subnormal": zero,
         "max_abs_err": err.max() if n else zero,
         "max_rel_err": rel.max() if n else zero,
+        "amax": torch.where(finite, xd.abs(), zero).max() if n else zero,
         "sum_abs_err": err.sum(),
         "sum_sq_err": (err * err).sum(),
         "sum_sq": torch.where(measured, xd * xd, zero).sum(),
@@ -368,7 +377,8 @@ def _act(pol, message, stats):
 
 def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             policy: Optional[str] = None, rtol: Optional[float] = None,
-            atol: Optional[float] = None, name: Optional[str] = None) -> torch.Tensor:
+            atol: Optional[float] = None, name: Optional[str] = None,
+            saturate: Optional[bool] = None) -> torch.Tensor:
     """``x.to(dtype)`` that measures what the cast loses, in the same pass,
     and applies a policy to it.
 
@@ -377,9 +387,10 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     autograd sees it as ``x.to(dtype)``: the gradient flows back to x in x's
     dtype.
 
-    The floating casts measured are float64 -> float32/float16/bfloat16 and
-    float32 -> float16/bfloat16 (lossy), and widening casts between these
-    dtypes (exact). A floating x cast to an integer or bool dtype returns
+    The floating casts measured are float64 -> float32, float64/float32 ->
+    float16/bfloat16, float16 <-> bfloat16, and float64/float32/float16/
+    bfloat16 -> float8_e4m3fn/float8_e5m2 (lossy), and widening casts
+    between these dtypes (exact). A floating x cast to an integer or bool dtype returns
     exactly ``x.to(dtype)`` and is measured with composite ops: NaN
     (``nan``), +-inf and values whose integer part is outside the dtype's
     range (``overflow``; torch's result there is undefined) are violations;
@@ -387,7 +398,8 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     other elements, and only violate rtol/atol. A bool cast tests x != 0:
     NaN (which becomes True) is its only violation.
 
-    A violation is any overflow, underflow or subnormal result, a NaN cast
+    A violation is any overflow, saturation, underflow or subnormal result,
+    a NaN cast
     to an integer or bool, ``max_rel_err > rtol`` or ``max_abs_err > atol``
     when given, and a floating x that requires grad cast to an integer or
     bool dtype (where the gradient is lost).
@@ -421,6 +433,11 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             ``safe_to(name)`` heads the warning or error, and
             ``torchcast.track()`` reports the cast under this name beside
             its source line. Default: None (messages say ``safe_to``).
+        saturate (bool, optional): values beyond ``dtype``'s range (+-inf
+            included) become its +-largest finite value (counted as
+            ``saturated``) instead of the format's overflow (inf, or NaN for
+            float8_e4m3fn). Default: None, what ``x.to(dtype)`` does: torch
+            saturates float8_e4m3fn (so inf becomes 448) and nothing else.
 
     Returns:
         Tensor: x cast to ``dtype``; x itself when it already has ``dtype``.
@@ -429,7 +446,8 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
         TypeError: x is not a Tensor, or a sparse, quantized or nested tensor,
             a ``__torch_dispatch__`` subclass without ``__tensor_flatten__``,
             or a tensor inside torch.vmap; the cast is not one listed above
-            (for example float16 -> bfloat16, or from an integer dtype);
+            (for example float8_e4m3fn -> float8_e5m2, or from an integer
+            dtype);
             ``dtype`` is not a torch.dtype, or None outside autocast; rtol,
             atol or name is of the wrong type.
         ValueError: an unknown policy, or rtol/atol negative or NaN.
@@ -458,6 +476,9 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     if name is not None and not isinstance(name, str):
         raise TypeError(f"torchcast.safe_to: name must be a str or None, got "
                         f"{type(name).__name__} ({name!r})")
+    if saturate is not None and not isinstance(saturate, bool):
+        raise TypeError(f"torchcast.safe_to: saturate must be a bool or None, got "
+                        f"{type(saturate).__name__} ({saturate!r})")
     compiling = torch.compiler.is_compiling()
 
     if x.dtype == dtype:
@@ -465,6 +486,10 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             _local.last = PendingStats.known(CastStats(dtype, dtype, numel=x.numel()))
         return x
     if not (dtype.is_floating_point or dtype.is_complex) and x.is_floating_point():
+        if saturate is not None:
+            raise TypeError(f"torchcast.safe_to: saturate applies to floating targets; the cast "
+                            f"to {dtype} has no largest finite value to clamp to. Drop saturate "
+                            "(or clamp x first)")
         if x.requires_grad and pol in ("warn", "raise") and not compiling:
             _act(pol, graph_cut_message(_describe(name), x.dtype, dtype), None)
         y = x.to(dtype)
@@ -472,7 +497,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             return y
         stats = _integer_cast_stats(x, dtype)
     else:
-        y, stats = _ops.cast_with_stats(x, dtype)
+        y, stats = _ops.cast_with_stats(x, dtype, saturate=saturate)
         if compiling:
             return y
     pending = PendingStats(stats, x.dtype, dtype)
@@ -489,7 +514,8 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
 
 
 def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
-                    out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    out: Optional[torch.Tensor] = None,
+                    saturate: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused cast: ``x.to(dtype)``, correctly rounded, and the statistics
     of what it lost, both computed in one pass on x's device, with no host
     synchronization and no policy. Traceable by torch.compile (fullgraph);
@@ -497,13 +523,20 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
     sees y as ``x.to(dtype)``.
 
     Args:
-        x (Tensor): a dense strided float16, bfloat16, float32 or float64
-            tensor.
+        x (Tensor): a dense strided float64, float32, float16, bfloat16,
+            float8_e4m3fn or float8_e5m2 tensor.
         dtype (torch.dtype): the desired floating dtype: a lossy pair
-            (float64 -> float32/float16/bfloat16, float32 -> float16/bfloat16)
-            or a widening or same-dtype cast between these dtypes (exact).
+            (float64 -> float32; float64/float32 -> float16/bfloat16;
+            float16 <-> bfloat16; float64/float32/float16/bfloat16 ->
+            float8_e4m3fn/float8_e5m2) or a widening or same-dtype cast
+            between these dtypes (exact).
         out (Tensor, optional): the output tensor for y, of x's shape and
             dtype ``dtype``, on x's device.
+        saturate (bool, optional): as for ``safe_to``: True clamps values
+            beyond dtype's range (+-inf included) to its +-largest finite
+            value; False gives the format's overflow (inf; NaN for
+            float8_e4m3fn); None (default) does what ``x.to(dtype)`` does
+            (saturate float8_e4m3fn only).
 
     Returns:
         (Tensor, Tensor): ``(y, stats)``: y is the cast (``out`` when given);
@@ -519,7 +552,10 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
         raise TypeError(
             f"torchcast.cast_with_stats: x must be a torch.Tensor, got {type(x).__name__}")
     check_input(x, "torchcast.cast_with_stats")
-    return _ops.cast_with_stats(x, dtype, out=out)
+    if saturate is not None and not isinstance(saturate, bool):
+        raise TypeError(f"torchcast.cast_with_stats: saturate must be a bool or None, got "
+                        f"{type(saturate).__name__} ({saturate!r})")
+    return _ops.cast_with_stats(x, dtype, out=out, saturate=saturate)
 
 
 __all__ = [

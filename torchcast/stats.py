@@ -31,18 +31,27 @@ class CastStats:
     stats tensor with ``from_tensor``; ``torchcast.last_stats()`` and
     ``Record.stats`` are CastStats.
 
-    Counts are over the elements of x: ``nan`` (NaN in x), ``inexact`` (finite
-    x whose y, widened back, differs; overflows included), ``overflow`` (finite
-    x that became +-inf), ``underflow`` (nonzero x that became zero),
-    ``subnormal`` (y subnormal in the target dtype). ``max_abs_err`` and
-    ``max_rel_err`` are exact, over finite x with finite y (relative: x != 0).
-    ``sum_abs_err``, ``sum_sq_err`` and ``sum_sq`` (of x) are float32 sums with
-    Neumaier compensation over the same set: within about 1e-6 relative of
-    the exact sum, except that float32 cannot hold terms below 2^-149 (they
-    round to zero) nor sums above 3.4e38 (reported as inf).
+    Counts are over the elements of x: ``nan`` (NaN in x), ``inf`` (+-inf in
+    x), ``inexact`` (finite x whose y, widened back, differs; overflows and
+    saturations included), ``overflow`` (finite x whose y is not finite: +-inf,
+    or NaN for float8_e4m3fn, which has no inf), ``saturated`` (x beyond the
+    target's range, +-inf included, clamped to +-its largest finite value),
+    ``underflow`` (nonzero x that became zero), ``subnormal`` (y subnormal in
+    the target dtype). ``max_abs_err`` and ``max_rel_err`` are over finite x
+    with finite y (relative: x != 0), exact except for saturated elements,
+    whose |x - y| may need more bits than x's dtype has and is rounded once;
+    when every finite x overflowed they are inf, not 0. ``amax`` is the
+    largest |x| over finite x (what float8 recipes scale by). ``sum_abs_err``,
+    ``sum_sq_err`` and ``sum_sq`` (of x) are over the measured elements,
+    within about 1e-6 relative of the exact sum: plain float64 sums for
+    float64 sources (they hold the square of every value a narrower format
+    keeps finite), float32 sums with Neumaier compensation for the others,
+    where float32 cannot hold terms below 2^-149 (they round to zero) nor
+    sums above 3.4e38 (reported as inf: from |x| ~ 1.8e19 on, for casts to
+    bfloat16 or saturated ones).
 
     Casts that cannot lose anything (widening, same dtype) are not measured:
-    only ``numel`` is set.
+    only ``numel``, ``nan``, ``inf`` and ``amax`` are set.
 
     Casts to an integer or bool dtype (safe_to): ``nan`` counts NaN (which
     becomes a number), ``overflow`` +-inf and values whose integer part is
@@ -56,12 +65,15 @@ class CastStats:
     # The table of statistics (see the module docstring): StatIndex's order.
     numel: int = _stat("add", 0)
     nan: int = _stat("add", 0)
+    inf: int = _stat("add", 0)
     inexact: int = _stat("add", 0)
     overflow: int = _stat("add", 0)
+    saturated: int = _stat("add", 0)
     underflow: int = _stat("add", 0)
     subnormal: int = _stat("add", 0)
     max_abs_err: float = _stat("max", 0.0)
     max_rel_err: float = _stat("max", 0.0)
+    amax: float = _stat("max", 0.0)
     sum_abs_err: float = _stat("add", 0.0)
     sum_sq_err: float = _stat("add", 0.0)
     sum_sq: float = _stat("add", 0.0)
@@ -127,8 +139,9 @@ class CastStats:
     @property
     def sqnr_db(self) -> float:
         """Signal-to-quantization-noise ratio, 10 log10(sum x^2 / sum (x-y)^2):
-        -inf if any element overflowed (an infinite error), NaN when a float32
-        sum overflowed (|x| beyond about 1e19)."""
+        -inf if any element overflowed (an infinite error), NaN when a sum
+        overflowed (a float32 sum: |x| beyond about 1e19 in a float32 or
+        16-bit source)."""
         if self.overflow:
             return -math.inf
         if math.isinf(self.sum_sq) or math.isinf(self.sum_sq_err):
@@ -162,16 +175,18 @@ class CastStats:
         if self.overflow:
             # The maxima are over elements that did not overflow: alone they
             # would read as "no error" where every element overflowed.
-            if self.overflow >= self.numel - self.nan:
+            if self.overflow >= self.numel - self.nan - self.inf:
                 maxima = "max abs err inf, max rel err inf (all overflowed)"
             else:
                 maxima = (f"max abs err inf, max rel err inf ({self.overflow} overflowed; the "
                           f"others: {self.max_abs_err:.3g}, {self.max_rel_err:.3g})")
+        saturated = f"{self.saturated} saturated, " if self.saturated else ""
         return (
             f"{short_dtype_name(self.src_dtype)}->{short_dtype_name(self.dtype)}: "
             f"{self.numel} elements, "
-            f"{self.inexact} inexact, {self.overflow} overflow, {self.underflow} underflow, "
-            f"{self.subnormal} subnormal, {self.nan} nan, {maxima}, SQNR {self.sqnr_db:.1f} dB")
+            f"{self.inexact} inexact, {self.overflow} overflow, {saturated}{self.underflow} "
+            f"underflow, {self.subnormal} subnormal, {self.nan} nan, {self.inf} inf, {maxima}, "
+            f"amax {self.amax:.3g}, SQNR {self.sqnr_db:.1f} dB")
 
 
 _STATS = [f for f in dataclasses.fields(CastStats) if "merge" in f.metadata]

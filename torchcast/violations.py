@@ -7,9 +7,12 @@ Violations. A kind without a threshold counts from the first element.
 
 Kinds (the stats of CastStats they read):
 
-- ``overflow``: finite values that became ±inf; for integer or bool targets,
+- ``overflow``: finite values that became ±inf (NaN for float8_e4m3fn, which
+  has no inf); for integer or bool targets,
   NaN, infinite and out-of-range values (``nan + overflow``), whose results
   are arbitrary.
+- ``saturated``: values beyond the target's range clamped to its largest
+  finite value (±inf included: torch casts inf to 448 in float8_e4m3fn).
 - ``nan``: NaN in a floating cast (NaN passes through unchanged; the cast
   did not make it, but a NaN gradient or activation is often the news).
 - ``underflow``: nonzero values that became zero.
@@ -23,14 +26,14 @@ from typing import Dict, Iterable, List, Mapping, Optional, Union
 
 from .stats import CastStats
 
-KINDS = ("overflow", "nan", "underflow", "subnormal", "graph_cut", "imag_dropped")
-# What breaks training: values lost to inf, arbitrary integers, cut graphs,
-# dropped imaginary parts, and a sizeable share of a tensor flushed to zero.
-# Subnormal results and NaN passing through are listed as notes.
-DEFAULT = "overflow,underflow>1%,graph_cut,imag_dropped"
+KINDS = ("overflow", "saturated", "nan", "underflow", "subnormal", "graph_cut", "imag_dropped")
+# What breaks training: values lost to inf or clamped, arbitrary integers,
+# cut graphs, dropped imaginary parts, and a sizeable share of a tensor
+# flushed to zero. Subnormal results and NaN passing through are notes.
+DEFAULT = "overflow,saturated,underflow>1%,graph_cut,imag_dropped"
 # Every loss of value, from the first element: safe_to's rule (an explicit
 # safe_to asks about every loss) and audit's. NaN passing through is none.
-STRICT = "overflow,underflow,subnormal,graph_cut,imag_dropped"
+STRICT = "overflow,saturated,underflow,subnormal,graph_cut,imag_dropped"
 ALL = ",".join(KINDS)
 
 _TERM = re.compile(r"^\s*([a-z_]+)\s*(?:>\s*([0-9.eE+-]+)\s*(%?)\s*)?$")
@@ -157,9 +160,9 @@ class Violations:
             if self._counts("overflow", s.nan + s.overflow, s.numel):
                 found += [f"{getattr(s, f)} {f}" for f in ("nan", "overflow") if getattr(s, f)]
         else:
-            for kind in ("overflow", "nan", "underflow", "subnormal"):
+            for kind in _FLOAT_KINDS:
                 if self._counts(kind, getattr(s, kind), s.numel):
-                    found.append(f"{getattr(s, kind)} {kind}")
+                    found.append(_phrase(s, kind))
         if rtol is not None and s.max_rel_err > rtol:
             found.append(f"max rel err > rtol={rtol:g}")
         if atol is not None and s.max_abs_err > atol:
@@ -172,7 +175,18 @@ class Violations:
         if s is None:
             return []
         found = set(self.found(s))
-        kinds = ("nan", "overflow") if _integer_target(s.dtype) else \
-            ("overflow", "nan", "underflow", "subnormal")
-        return [p for p in (f"{getattr(s, k)} {k}" for k in kinds if getattr(s, k))
-                if p not in found]
+        kinds = ("nan", "overflow") if _integer_target(s.dtype) else _FLOAT_KINDS
+        return [p for p in (_phrase(s, k) for k in kinds if getattr(s, k)) if p not in found]
+
+
+# The kinds a floating cast's stats count.
+_FLOAT_KINDS = ("overflow", "saturated", "nan", "underflow", "subnormal")
+
+
+def _phrase(s: CastStats, kind: str) -> str:
+    """"12 overflow"; saturations say how many were infinities, which
+    x.to(torch.float8_e4m3fn) turns into 448 without a word."""
+    phrase = f"{getattr(s, kind)} {kind}"
+    if kind == "saturated" and s.inf:
+        phrase += f" ({min(s.inf, s.saturated)} of them ±inf)"
+    return phrase

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 
 #include "../cast_common.h"
 #include "cast_avx512.h"
@@ -38,54 +39,68 @@ bool use_avx512() {
 
 // The portable loop: n <= kLanes - lane contiguous elements into lanes
 // [lane, lane + n), one ElementMeasure each. Counters are local and as wide
-// as From, and the maxima kept per lane, so that the loop vectorizes.
-template <typename From, typename Target>
-TC_CPU_CLONES void portable_run(LaneState<From>* __restrict__ st, const From* __restrict__ x,
-                                typename Target::storage* __restrict__ y, int lane, int n) {
-  using Count = std::conditional_t<sizeof(From) == 8, int64_t, int32_t>;
-  float* __restrict__ abs_s = st->sums[cpu::kAbsS] + lane;
-  float* __restrict__ abs_c = st->sums[cpu::kAbsC] + lane;
-  float* __restrict__ sq_err_s = st->sums[cpu::kSqErrS] + lane;
-  float* __restrict__ sq_err_c = st->sums[cpu::kSqErrC] + lane;
-  float* __restrict__ sq_s = st->sums[cpu::kSqS] + lane;
-  float* __restrict__ sq_c = st->sums[cpu::kSqC] + lane;
-  From* __restrict__ max_abs = st->max_abs + lane;
-  From* __restrict__ max_rel = st->max_rel + lane;
-  Count c_nan = 0, c_inexact = 0, c_overflow = 0, c_underflow = 0, c_subnormal = 0;
+// as the source, and the maxima kept per lane, so that the loop vectorizes.
+template <typename Src, typename Target>
+TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
+                                const typename SourceFormat<Src>::storage* __restrict__ x,
+                                typename Target::storage* __restrict__ y, int lane, int n,
+                                bool saturate) {
+  using Format = SourceFormat<Src>;
+  using Wide = typename Format::wide;
+  using Count = std::conditional_t<sizeof(Wide) == 8, int64_t, int32_t>;
+  Wide* __restrict__ max_abs = st->max_abs + lane;
+  Wide* __restrict__ max_rel = st->max_rel + lane;
+  Wide* __restrict__ amax = st->amax + lane;
+  CastCounts<Count> counts;
   for (int j = 0; j < n; ++j) {
-    const ElementMeasure<Target, From> m(x[j]);
+    const ElementMeasure<Target, Wide> m(Format::widen(x[j]), saturate);
     y[j] = m.y;
-    c_nan += m.nan;
-    c_inexact += m.inexact;
-    c_overflow += m.overflow;
-    c_underflow += m.underflow;
-    c_subnormal += m.subnormal;
-    neumaier_add(abs_s[j], abs_c[j], m.abs_err_f);
-    neumaier_add(sq_err_s[j], sq_err_c[j], m.sq_err_f);
-    neumaier_add(sq_s[j], sq_c[j], m.sq_f);
+    counts.add(m);
+    if constexpr (std::is_same<Wide, double>::value) {
+      st->sums[cpu::kAbs][lane + j] += m.abs_err;
+      st->sums[cpu::kSqErr][lane + j] += m.sq_err;
+      st->sums[cpu::kSq][lane + j] += m.sq;
+    } else {
+      auto& s = st->sums;
+      neumaier_add(s[cpu::kAbsS][lane + j], s[cpu::kAbsC][lane + j], m.abs_err);
+      neumaier_add(s[cpu::kSqErrS][lane + j], s[cpu::kSqErrC][lane + j], m.sq_err);
+      neumaier_add(s[cpu::kSqS][lane + j], s[cpu::kSqC][lane + j], m.sq);
+    }
     max_abs[j] = m.abs_err > max_abs[j] ? m.abs_err : max_abs[j];
     max_rel[j] = m.rel_err > max_rel[j] ? m.rel_err : max_rel[j];
+    amax[j] = m.amax > amax[j] ? m.amax : amax[j];
   }
-  st->counts.merge(CastCounts<Count>{c_nan, c_inexact, c_overflow, c_underflow, c_subnormal});
+  st->counts.merge(counts);
 }
 
-template <typename From, typename Target>
+// Whether the AVX-512 loop (cast_avx512.h) covers the pair: float32 and
+// float64 sources to float32, float16 and bfloat16, without saturation.
+template <typename Src, typename Target>
+constexpr bool kHasAvx512Loop =
+    (std::is_same<Src, float>::value || std::is_same<Src, double>::value) &&
+    (std::is_same<Target, Float32Target>::value || std::is_same<Target, Float16Target>::value ||
+     std::is_same<Target, BFloat16Target>::value);
+
+template <typename Src, typename Target>
 struct CastCpu {
+  using From = typename SourceFormat<Src>::storage;
   using Storage = typename Target::storage;
-  using State = LaneState<From>;
+  using State = LaneState<Src>;
   static constexpr int kLanes = State::kLanes;
 
   // n contiguous elements, the first in lane `lane`.
-  static void run(State* st, const From* x, Storage* y, int lane, int64_t n) {
+  static void run(State* st, const From* x, Storage* y, int lane, int64_t n, bool saturate) {
 #ifdef TORCHCAST_HAVE_AVX512
-    if (use_avx512()) {
-      cpu::avx512::Kernel<From, Target>::run(st, x, y, lane, n);
-      return;
+    if constexpr (kHasAvx512Loop<Src, Target>) {
+      if (use_avx512() && !saturate) {
+        cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n);
+        return;
+      }
     }
 #endif
     while (n > 0) {
       const int k = static_cast<int>(std::min<int64_t>(n, kLanes - lane));
-      portable_run<From, Target>(st, x, y, lane, k);
+      portable_run<Src, Target>(st, x, y, lane, k, saturate);
       x += k;
       y += k;
       n -= k;
@@ -95,42 +110,61 @@ struct CastCpu {
 
   // n elements at strides sx, sy (in elements), through contiguous buffers.
   static void run_strided(State* st, const From* x, int64_t sx, Storage* y, int64_t sy, int lane,
-                          int64_t n) {
+                          int64_t n, bool saturate) {
     constexpr int kBuffer = 1024;
     alignas(64) From xb[kBuffer];
     alignas(64) Storage yb[kBuffer];
     for (int64_t done = 0; done < n;) {
       const int k = static_cast<int>(std::min<int64_t>(kBuffer, n - done));
       for (int i = 0; i < k; ++i) xb[i] = x[(done + i) * sx];
-      run(st, xb, yb, lane, k);
+      run(st, xb, yb, lane, k, saturate);
       for (int i = 0; i < k; ++i) y[(done + i) * sy] = yb[i];
       lane = static_cast<int>((lane + k) % kLanes);
       done += k;
     }
   }
 
-  // Chunk partials: exact stats, and the compensated sums as arrays padded
-  // for reduce_chunk_sums. Inline storage covers tensors of up to 16 chunks
-  // without touching the heap.
+  // Chunk partials: exact stats, and the sums. Compensated float32 sums go
+  // in arrays padded for reduce_chunk_sums; float64 sources' plain sums
+  // stay in the ChunkStats and reduce in scalar code. Inline storage covers
+  // tensors of up to 16 chunks without touching the heap.
   struct Partials {
-    c10::SmallVector<ChunkStats<From>, 16> exact;  // sums unused
+    using Wide = typename State::Wide;
+    static constexpr bool kPlain = std::is_same<Wide, double>::value;
+    c10::SmallVector<ChunkStats<Wide>, 16> exact;  // sums used only when kPlain
     std::array<c10::SmallVector<float, 16>, cpu::kNumSumArrays> sums;
 
     explicit Partials(int64_t n) : exact(static_cast<size_t>(n)) {
-      for (auto& a : sums) a.resize(static_cast<size_t>((n + 15) / 16 * 16));
+      if constexpr (!kPlain) {
+        for (auto& a : sums) a.resize(static_cast<size_t>((n + 15) / 16 * 16));
+      }
     }
     void set(int64_t c, const State& st) {
-      exact[static_cast<size_t>(c)] = st.exact();
-      const ErrorSums e = cpu::finish_lanes(st.sums);
-      const float v[cpu::kNumSumArrays] = {e.abs_s, e.abs_c, e.sq_err_s, e.sq_err_c, e.sq_s, e.sq_c};
-      for (int p = 0; p < cpu::kNumSumArrays; ++p) sums[p][static_cast<size_t>(c)] = v[p];
+      auto& chunk = exact[static_cast<size_t>(c)];
+      chunk = st.exact();
+      const auto e = cpu::finish_lanes(st.sums);
+      if constexpr (kPlain) {
+        chunk.sums = e;
+      } else {
+        const float v[cpu::kNumSumArrays] = {e.abs_s, e.abs_c, e.sq_err_s, e.sq_err_c, e.sq_s, e.sq_c};
+        for (int p = 0; p < cpu::kNumSumArrays; ++p) sums[p][static_cast<size_t>(c)] = v[p];
+      }
     }
     at::Tensor stats(const at::Tensor& x, int64_t numel) const {
-      ChunkStats<From> total;
-      for (const auto& e : exact) total.merge(e);  // counts and maxima are exact in any order
-      const float* const arrays[cpu::kNumSumArrays] = {sums[0].data(), sums[1].data(), sums[2].data(),
-                                                       sums[3].data(), sums[4].data(), sums[5].data()};
-      total.sums = cpu::reduce_chunk_sums(arrays, static_cast<int64_t>(exact.size()));
+      ChunkStats<Wide> total;
+      // Counts and maxima are exact in any order; the sums are set below,
+      // in the canonical order.
+      for (const auto& e : exact) total.merge(e);
+      if constexpr (kPlain) {
+        c10::SmallVector<PlainSums, 16> partial;
+        for (const auto& e : exact) partial.push_back(e.sums);
+        total.sums = reduce_partials(partial.data(), static_cast<int64_t>(partial.size()));
+      } else {
+        const float* const arrays[cpu::kNumSumArrays] = {sums[0].data(), sums[1].data(),
+                                                         sums[2].data(), sums[3].data(),
+                                                         sums[4].data(), sums[5].data()};
+        total.sums = cpu::reduce_chunk_sums(arrays, static_cast<int64_t>(exact.size()));
+      }
       auto out = at::empty({kNumStats}, x.options().dtype(at::kDouble));
       total.write(out.data_ptr<double>(), numel);
       return out;
@@ -159,18 +193,18 @@ struct CastCpu {
     return partials;
   }
 
-  static at::Tensor cast(const at::Tensor& x, at::Tensor& y) {
+  static at::Tensor cast(const at::Tensor& x, at::Tensor& y, bool saturate) {
     const int64_t numel = x.numel();
     // Dense tensors laid out alike: TensorIterator's order is memory order.
     if (x.is_non_overlapping_and_dense() && y.is_non_overlapping_and_dense() &&
         x.strides() == y.strides()) {
       at::assert_no_internal_overlap(y);
       at::assert_no_partial_overlap(y, x);
-      const From* xp = x.const_data_ptr<From>();
+      const From* xp = static_cast<const From*>(x.const_data_ptr());
       Storage* yp = reinterpret_cast<Storage*>(y.data_ptr());
       return over_chunks(numel, [&](State* st, int64_t c) {
                    const int64_t begin = c * kChunk;
-                   run(st, xp + begin, yp + begin, 0, std::min(numel - begin, kChunk));
+                   run(st, xp + begin, yp + begin, 0, std::min(numel - begin, kChunk), saturate);
                  })
           .stats(x, numel);
     }
@@ -185,9 +219,9 @@ struct CastCpu {
                  auto* xp = reinterpret_cast<const From*>(data[1] + r * strides[3]);
                  const int lane = static_cast<int>(pos % kLanes);
                  if (sx == 1 && sy == 1) {
-                   run(st, xp, yp, lane, size0);
+                   run(st, xp, yp, lane, size0, saturate);
                  } else {
-                   run_strided(st, xp, sx, yp, sy, lane, size0);
+                   run_strided(st, xp, sx, yp, sy, lane, size0, saturate);
                  }
                  pos += size0;
                }
@@ -199,9 +233,9 @@ struct CastCpu {
 };
 
 struct CpuCast {
-  template <typename From, typename Target>
-  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y) {
-    return CastCpu<From, Target>::cast(x, y);
+  template <typename Src, typename Target>
+  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y, bool saturate) {
+    return CastCpu<Src, Target>::cast(x, y, saturate);
   }
 };
 

@@ -17,7 +17,8 @@
 //    can raise a maximum that starts at 0. float64 sources divide only where
 //    the quotient could raise the maximum (see Source<double>).
 //  - The hot loop only adds terms >= +0 (never NaN) to sums that started at
-//    +0, so neumaier_add's choice by |sum| >= |term| is max/min.
+//    +0, so neumaier_add's choice by |sum| >= |term| is max/min. float64
+//    sources add their float64 terms plainly (PlainSums).
 //  - Counts come from the float32 view of the result: NaN x <=> NaN y,
 //    inexact = #(y != x) - #NaN, overflow = #(y != x and y = +-inf),
 //    underflow = #(y != x and y = 0).
@@ -258,6 +259,7 @@ struct Source<float, Target> {
   using V = W::V;
   V x;
   V t, xx;  // |x - y| and x * x, before masking
+  V ax;     // |x|, zeroed where x is not finite (amax)
 
   static constexpr bool kRoundsTwice = false;
 
@@ -267,29 +269,49 @@ struct Source<float, Target> {
   TC_AVX512_INLINE W::Mask measure(V back) {
     t = W::abs(W::sub(x, back));
     xx = W::mul(x, x);
+    ax = W::abs(x);
     return W::cmp<_CMP_NEQ_UQ>(back, x);
   }
-  // Zeroes the error terms where x or y is not finite.
+  TC_AVX512_INLINE W::Mask x_inf() const { return W::template fpclass<kClassInf>(x); }
+  // Zeroes the error terms where x or y is not finite, and |x| where x is not.
   TC_AVX512_INLINE void mask_unmeasured() {
     const W::Mask measured = W::cmp<_CMP_LT_OQ>(t, W::set1(std::numeric_limits<float>::infinity()));
     t = W::maskz_mov(measured, t);
     xx = W::maskz_mov(measured, xx);
+    ax = W::maskz_mov(~W::template fpclass<kClassNaN | kClassInf>(x), ax);
   }
   struct Maxima {
-    V abs, rel;
-    TC_AVX512_INLINE Maxima() : abs(W::zero()), rel(W::zero()) {}
-    TC_AVX512_INLINE void fold_into(float* max_abs, float* max_rel) const {
+    V abs, rel, amax;
+    TC_AVX512_INLINE Maxima() : abs(W::zero()), rel(W::zero()), amax(W::zero()) {}
+    TC_AVX512_INLINE void fold_into(float* max_abs, float* max_rel, float* amax_out) const {
       W::store(max_abs, W::max(abs, W::load(max_abs)));
       W::store(max_rel, W::max(rel, W::load(max_rel)));
+      W::store(amax_out, W::max(amax, W::load(amax_out)));
     }
   };
-  // The float32 terms of the three sums; updates the maxima.
-  TC_AVX512_INLINE void terms(Maxima& m, W::Mask, bool, V& abs_err, V& sq_err, V& sq) const {
+  TC_AVX512_INLINE void maxima(Maxima& m, W::Mask, bool) const {
     m.abs = W::max(t, m.abs);
+    m.amax = W::max(ax, m.amax);
     m.rel = W::max(W::div(t, W::abs(x)), m.rel);
-    abs_err = t;
-    sq_err = W::mul(t, t);
-    sq = xx;
+  }
+  // One vector of lanes of the compensated float32 sums (SumArray order).
+  struct Sums {
+    V v[kNumSumArrays];
+    TC_AVX512_INLINE void load(const float (*sums)[LaneState<float>::kLanes], int l) {
+      for (int p = 0; p < kNumSumArrays; ++p) v[p] = W::load(sums[p] + l);
+    }
+    TC_AVX512_INLINE void store(float (*sums)[LaneState<float>::kLanes], int l) const {
+      for (int p = 0; p < kNumSumArrays; ++p) W::store(sums[p] + l, v[p]);
+    }
+  };
+  // Adds the terms |x - y|, (x - y)^2 and x^2; with kMasked only in `lanes`.
+  template <bool kMasked>
+  TC_AVX512_INLINE void add_to(Sums& s, W::Mask lanes) const {
+    Sums n = s;
+    add_nonneg<W>(n.v[kAbsS], n.v[kAbsC], t);
+    add_nonneg<W>(n.v[kSqErrS], n.v[kSqErrC], W::mul(t, t));
+    add_nonneg<W>(n.v[kSqS], n.v[kSqC], xx);
+    for (int p = 0; p < kNumSumArrays; ++p) s.v[p] = kMasked ? W::mask_mov(s.v[p], lanes, n.v[p]) : n.v[p];
   }
 };
 
@@ -314,6 +336,7 @@ struct Source<double, Target> {
   __m512d x;
   V fv;
   __m512d t, xx;
+  __m512d ax;  // |x|, zeroed where x is not finite (amax)
 
   TC_AVX512_INLINE explicit Source(const double* p) : x(_mm512_loadu_pd(p)), fv(_mm512_cvtpd_ps(x)) {}
   TC_AVX512_INLINE V f() const { return fv; }
@@ -343,33 +366,52 @@ struct Source<double, Target> {
     const __m512d b = _mm512_cvtps_pd(back);
     t = _mm512_abs_pd(_mm512_sub_pd(x, b));
     xx = _mm512_mul_pd(x, x);
+    ax = _mm512_abs_pd(x);
     return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
   }
+  TC_AVX512_INLINE W::Mask x_inf() const { return _mm512_fpclass_pd_mask(x, kClassInf); }
   TC_AVX512_INLINE void mask_unmeasured() {
     const __mmask8 measured =
         _mm512_cmp_pd_mask(t, _mm512_set1_pd(std::numeric_limits<double>::infinity()), _CMP_LT_OQ);
     t = _mm512_maskz_mov_pd(measured, t);
     xx = _mm512_maskz_mov_pd(measured, xx);
+    ax = _mm512_maskz_mov_pd(static_cast<__mmask8>(~_mm512_fpclass_pd_mask(x, kClassNaN | kClassInf)), ax);
   }
   struct Maxima {
-    __m512d abs, rel;
-    TC_AVX512_INLINE Maxima() : abs(_mm512_setzero_pd()), rel(_mm512_setzero_pd()) {}
-    TC_AVX512_INLINE void fold_into(double* max_abs, double* max_rel) const {
+    __m512d abs, rel, amax;
+    TC_AVX512_INLINE Maxima() : abs(_mm512_setzero_pd()), rel(_mm512_setzero_pd()), amax(_mm512_setzero_pd()) {}
+    TC_AVX512_INLINE void fold_into(double* max_abs, double* max_rel, double* amax_out) const {
       _mm512_store_pd(max_abs, _mm512_max_pd(abs, _mm512_load_pd(max_abs)));
       _mm512_store_pd(max_rel, _mm512_max_pd(rel, _mm512_load_pd(max_rel)));
+      _mm512_store_pd(amax_out, _mm512_max_pd(amax, _mm512_load_pd(amax_out)));
     }
   };
   // ne: the lanes with y != x (t > 0 where measured); rare: the step took
   // its rare path.
-  TC_AVX512_INLINE void terms(Maxima& m, W::Mask ne, bool rare, V& abs_err, V& sq_err, V& sq) const {
+  TC_AVX512_INLINE void maxima(Maxima& m, W::Mask ne, bool rare) const {
     m.abs = _mm512_max_pd(t, m.abs);
-    const __m512d ax = _mm512_abs_pd(x);
+    m.amax = _mm512_max_pd(ax, m.amax);
     if (rare || _mm512_mask_cmp_pd_mask(ne, t, _mm512_mul_pd(m.rel, ax), _CMP_GE_OQ) != 0) {
       m.rel = _mm512_max_pd(_mm512_div_pd(t, ax), m.rel);
     }
-    abs_err = _mm512_cvtpd_ps(t);
-    sq_err = _mm512_cvtpd_ps(_mm512_mul_pd(t, t));
-    sq = _mm512_cvtpd_ps(xx);
+  }
+  // One vector of lanes of the plain float64 sums (PlainArray order).
+  struct Sums {
+    __m512d v[kNumPlainArrays];
+    TC_AVX512_INLINE void load(const double (*sums)[LaneState<double>::kLanes], int l) {
+      for (int p = 0; p < kNumPlainArrays; ++p) v[p] = _mm512_load_pd(sums[p] + l);
+    }
+    TC_AVX512_INLINE void store(double (*sums)[LaneState<double>::kLanes], int l) const {
+      for (int p = 0; p < kNumPlainArrays; ++p) _mm512_store_pd(sums[p] + l, v[p]);
+    }
+  };
+  template <bool kMasked>
+  TC_AVX512_INLINE void add_to(Sums& s, W::Mask lanes) const {
+    const __m512d terms[kNumPlainArrays] = {t, _mm512_mul_pd(t, t), xx};
+    for (int p = 0; p < kNumPlainArrays; ++p) {
+      s.v[p] = kMasked ? _mm512_mask_add_pd(s.v[p], lanes, s.v[p], terms[p])
+                       : _mm512_add_pd(s.v[p], terms[p]);
+    }
   }
 };
 
@@ -381,6 +423,7 @@ struct Kernel {
   using W = typename Src::W;
   using V = typename W::V;
   using Mask = typename W::Mask;
+  using Sums = typename Src::Sums;
   static constexpr int kWidth = W::kWidth;
   static constexpr int kLanes = State::kLanes;
   static constexpr int kYLine = 64 / sizeof(Storage);  // elements of y per cache line
@@ -388,17 +431,17 @@ struct Kernel {
   static_assert(kWidth * sizeof(From) == 64, "a vector of x is a cache line");
 
   struct Acc {
-    uint64_t nan, ne, overflow, underflow, subnormal;
+    uint64_t nan, inf, ne, overflow, underflow, subnormal;
     typename Src::Maxima max;
 
-    TC_AVX512_INLINE Acc() : nan(0), ne(0), overflow(0), underflow(0), subnormal(0) {}
+    TC_AVX512_INLINE Acc() : nan(0), inf(0), ne(0), overflow(0), underflow(0), subnormal(0) {}
   };
 
   // One vector of elements into the sums s. With kMasked only the lanes in
   // `lanes` take the step; the others must hold x = 0, which counts nothing
   // and leaves the maxima alone.
   template <bool kMasked>
-  static TC_AVX512_INLINE void step(const From* xp, Storage* yp, Mask lanes, V (&s)[6], Acc& acc) {
+  static TC_AVX512_INLINE void step(const From* xp, Storage* yp, Mask lanes, Sums& s, Acc& acc) {
     Src src(xp);
     Narrowed<Target, W> y(src.f());
     Mask ne = src.measure(y.back);
@@ -414,25 +457,15 @@ struct Kernel {
       src.mask_unmeasured();
       const Mask zero = W::template fpclass<kClassZero>(y.back);
       acc.nan += count(nan);
+      acc.inf += count(src.x_inf());
       acc.overflow += count(ne & W::template fpclass<kClassInf>(y.back));
       acc.underflow += count(ne & zero);
       acc.subnormal += count(y.subnormal(zero));
     }
     y.store(yp);
     acc.ne += count(ne);
-    V abs_err, sq_err, sq;
-    src.terms(acc.max, ne, rare != 0, abs_err, sq_err, sq);
-    if constexpr (kMasked) {
-      V n[6] = {s[0], s[1], s[2], s[3], s[4], s[5]};
-      add_nonneg<W>(n[kAbsS], n[kAbsC], abs_err);
-      add_nonneg<W>(n[kSqErrS], n[kSqErrC], sq_err);
-      add_nonneg<W>(n[kSqS], n[kSqC], sq);
-      for (int p = 0; p < 6; ++p) s[p] = W::mask_mov(s[p], lanes, n[p]);
-    } else {
-      add_nonneg<W>(s[kAbsS], s[kAbsC], abs_err);
-      add_nonneg<W>(s[kSqErrS], s[kSqErrC], sq_err);
-      add_nonneg<W>(s[kSqS], s[kSqC], sq);
-    }
+    src.maxima(acc.max, ne, rare != 0);
+    src.template add_to<kMasked>(s, lanes);
   }
 
   // Rows [0, rows) of lanes [l0, l1) (whole vectors): x and y point at lane
@@ -441,15 +474,15 @@ struct Kernel {
                                      Acc& acc_io) {
     Acc acc = acc_io;
     for (int l = l0; l < l1; l += kWidth) {
-      V s[6];
-      for (int p = 0; p < 6; ++p) s[p] = W::load(st->sums[p] + l);
+      Sums s;
+      s.load(st->sums, l);
       for (int r = 0; r < rows; ++r) {
         const int64_t at = static_cast<int64_t>(r) * kLanes + (l - l0);
         prefetch(x + at, 0, kLanes * kRowBlock);  // one vector of x is one cache line
         if (l % kYLine == 0) prefetch(y + at, 1, kLanes * kRowBlock);
         step<false>(x + at, y + at, static_cast<Mask>(~0u), s, acc);
       }
-      for (int p = 0; p < 6; ++p) W::store(st->sums[p] + l, s[p]);
+      s.store(st->sums, l);
     }
     acc_io = acc;
   }
@@ -466,10 +499,10 @@ struct Kernel {
         alignas(64) From xb[kWidth] = {};
         alignas(64) Storage yb[kWidth];
         std::memcpy(xb + off, x, sizeof(From) * k);
-        V s[6];
-        for (int p = 0; p < 6; ++p) s[p] = W::load(st->sums[p] + lane - off);
+        Sums s;
+        s.load(st->sums, lane - off);
         step<true>(xb, yb, static_cast<Mask>(((1u << k) - 1u) << off), s, acc);
-        for (int p = 0; p < 6; ++p) W::store(st->sums[p] + lane - off, s[p]);
+        s.store(st->sums, lane - off);
         std::memcpy(y, yb + off, sizeof(Storage) * k);
         done = k;
       } else if (lane == 0 && n >= kLanes) {
@@ -488,11 +521,12 @@ struct Kernel {
       lane = static_cast<int>((lane + done) % kLanes);
     }
     st->counts.nan += static_cast<int64_t>(acc.nan);
+    st->counts.inf += static_cast<int64_t>(acc.inf);
     st->counts.inexact += static_cast<int64_t>(acc.ne - acc.nan);
     st->counts.overflow += static_cast<int64_t>(acc.overflow);
     st->counts.underflow += static_cast<int64_t>(acc.underflow);
     st->counts.subnormal += static_cast<int64_t>(acc.subnormal);
-    acc.max.fold_into(st->max_abs, st->max_rel);
+    acc.max.fold_into(st->max_abs, st->max_rel, st->amax);
   }
 };
 

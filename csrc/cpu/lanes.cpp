@@ -1,9 +1,11 @@
 // The finishing reductions of the CPU cast_with_stats kernel, in the
-// canonical order of numerics.h, 16 merges at a time. Each vector lane
+// canonical order of numerics.h. The compensated float32 sums (float32 and
+// 16-bit sources) go 16 merges at a time: each vector lane
 // performs exactly the scalar neumaier_merge of one tree node, so the result
 // is the scalar tree's, bit for bit; vectors only group independent merges
 // (different threads, or the nodes of one tree level), and shuffles move
-// values between lanes without touching them.
+// values between lanes without touching them. The plain float64 sums of
+// float64 sources take the scalar tree.
 // The 64-byte vectors below never cross a call boundary (everything is
 // inlined), so the ABI note gcc gives for them on non-AVX-512 targets is moot.
 // Set before the includes: numerics.h's templates are instantiated on them.
@@ -139,13 +141,6 @@ TC_VEC_INLINE ErrorSums tree_reduce(Group (&th)[kGroups]) {
 template <int kVec>
 TC_VEC_INLINE void deinterleave(const float* a, VF (&out)[kVec]);
 
-template <>
-TC_VEC_INLINE void deinterleave<2>(const float* a, VF (&out)[2]) {
-  const VF x = vload(a), y = vload(a + kV);
-  out[0] = __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  out[1] = __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 // Lanes 0 and 1 (lo) or 2 and 3 (hi) of the 8 threads in p, q.
 TC_VEC_INLINE VF quarters_lo(VF p, VF q) {
   return __builtin_shufflevector(p, q, 0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
@@ -163,6 +158,15 @@ TC_VEC_INLINE void deinterleave<4>(const float* a, VF (&out)[4]) {
   out[1] = __builtin_shufflevector(l01, l23, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   out[2] = __builtin_shufflevector(h01, h23, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   out[3] = __builtin_shufflevector(h01, h23, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// 16-bit sources: 8 lanes a thread, gathered element by element (once per
+// chunk of 64K elements, so plain copies are cheap enough).
+template <>
+TC_VEC_INLINE void deinterleave<8>(const float* a, VF (&out)[8]) {
+  for (int v = 0; v < 8; ++v) {
+    for (int t = 0; t < kV; ++t) out[v][t] = a[t * 8 + v];
+  }
 }
 
 template <int kVec>
@@ -185,12 +189,12 @@ TC_VEC_INLINE ErrorSums finish(const float (&sums)[kNumSumArrays][kBlockThreads 
   return tree_reduce(th);
 }
 
-TC_CPU_CLONES void finish2(const float (&sums)[kNumSumArrays][kBlockThreads * 2], ErrorSums* out) {
-  *out = finish<2>(sums);
-}
-
 TC_CPU_CLONES void finish4(const float (&sums)[kNumSumArrays][kBlockThreads * 4], ErrorSums* out) {
   *out = finish<4>(sums);
+}
+
+TC_CPU_CLONES void finish8(const float (&sums)[kNumSumArrays][kBlockThreads * 8], ErrorSums* out) {
+  *out = finish<8>(sums);
 }
 
 TC_CPU_CLONES void reduce(const float* const (&partial)[kNumSumArrays], int64_t n, ErrorSums* out) {
@@ -217,18 +221,33 @@ TC_CPU_CLONES void reduce(const float* const (&partial)[kNumSumArrays], int64_t 
 
 }  // namespace
 
-ErrorSums finish_lanes(const float (&sums)[kNumSumArrays][lanes_of<double>()]) {
-  static_assert(vec_of<double>() == 2, "float64 threads own 2 lanes");
-  ErrorSums out;
-  finish2(sums, &out);
-  return out;
-}
-
 ErrorSums finish_lanes(const float (&sums)[kNumSumArrays][lanes_of<float>()]) {
   static_assert(vec_of<float>() == 4, "float32 threads own 4 lanes");
   ErrorSums out;
   finish4(sums, &out);
   return out;
+}
+
+ErrorSums finish_lanes(const float (&sums)[kNumSumArrays][lanes_of<uint16_t>()]) {
+  static_assert(vec_of<uint16_t>() == 8, "16-bit sources' threads own 8 lanes");
+  ErrorSums out;
+  finish8(sums, &out);
+  return out;
+}
+
+PlainSums finish_lanes(const double (&sums)[kNumPlainArrays][lanes_of<double>()]) {
+  // Plain float64 additions in the same tree: scalar code is fast enough
+  // once per chunk of 64K elements.
+  constexpr int kVec = vec_of<double>();
+  PlainSums threads[kBlockThreads];
+  for (int t = 0; t < kBlockThreads; ++t) {
+    for (int v = 0; v < kVec; ++v) {
+      const int l = t * kVec + v;
+      threads[t].merge(PlainSums{sums[kAbs][l], sums[kSqErr][l], sums[kSq][l]});
+    }
+  }
+  block_tree_reduce(threads);
+  return threads[0];
 }
 
 ErrorSums reduce_chunk_sums(const float* const (&partial)[kNumSumArrays], int64_t n) {

@@ -5,7 +5,7 @@
 // One block of kBlockThreads threads handles one chunk of kChunk elements at a
 // time (grid-stride over chunks, grid sized from the SM count). Thread t owns
 // lanes [t*vec, t*vec+vec) of every lanes-wide step of its chunk and feeds
-// them from one 16-byte load; each lane is a sequential Neumaier sum. The
+// them from one 16-byte load; each lane is a sequential sum (SumsOf). The
 // chunk's per-thread results are combined by warp shuffles and then across the
 // warps, and each chunk writes one partial; a second one-block kernel reduces
 // the partials (no float atomics) and writes the stats tensor on the device,
@@ -32,38 +32,41 @@ namespace {
 // flight per SM to cover DRAM latency at full occupancy.
 constexpr int kLoadBatch = 4;
 
-// One thread's share of a chunk: vec compensated lanes, exact counts, maxima.
-template <typename From, typename Target>
+// One thread's share of a chunk: vec lanes of sums (SumsOf), exact counts,
+// maxima.
+// Src: the source's element type, or the Target naming a 16-bit source.
+template <typename Src, typename Target>
 struct ThreadStats {
-  static constexpr int kVec = vec_of<From>();
-  ErrorSums lane[kVec];
+  using Format = SourceFormat<Src>;
+  using Wide = typename Format::wide;
+  static constexpr int kVec = vec_of<typename Format::storage>();
+  SumsOf<Wide> lane[kVec];
   // At most kChunk / kBlockThreads elements per thread and chunk.
   CastCounts<int32_t> counts;
-  From max_abs = 0, max_rel = 0;
+  Wide max_abs = 0, max_rel = 0, amax = 0;
+  bool saturate;
+
+  __device__ __forceinline__ explicit ThreadStats(bool saturate_) : saturate(saturate_) {}
 
   // Measures x into lane v (a compile-time index after unrolling, so that the
   // lanes stay in registers) and returns the rounded value.
-  __device__ __forceinline__ typename Target::storage add(int v, From x) {
-    const ElementMeasure<Target, From> m(x);
-    counts.nan += m.nan;
-    counts.inexact += m.inexact;
-    counts.overflow += m.overflow;
-    counts.underflow += m.underflow;
-    counts.subnormal += m.subnormal;
-    neumaier_add(lane[v].abs_s, lane[v].abs_c, m.abs_err_f);
-    neumaier_add(lane[v].sq_err_s, lane[v].sq_err_c, m.sq_err_f);
-    neumaier_add(lane[v].sq_s, lane[v].sq_c, m.sq_f);
+  __device__ __forceinline__ typename Target::storage add(int v, typename Format::storage x) {
+    const ElementMeasure<Target, Wide> m(Format::widen(x), saturate);
+    counts.add(m);
+    lane[v].add(m.abs_err, m.sq_err, m.sq);
     max_abs = m.abs_err > max_abs ? m.abs_err : max_abs;
     max_rel = m.rel_err > max_rel ? m.rel_err : max_rel;
+    amax = m.amax > amax ? m.amax : amax;
     return m.y;
   }
 
   // Lanes merged lane 0 first into an empty sum, as cpu::finish_lanes does.
-  __device__ __forceinline__ ChunkStats<From> finish() const {
-    ChunkStats<From> out;
+  __device__ __forceinline__ ChunkStats<Wide> finish() const {
+    ChunkStats<Wide> out;
     out.counts.merge(counts);
     out.max_abs_err = max_abs;
     out.max_rel_err = max_rel;
+    out.amax = amax;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) out.sums.merge(lane[v]);
     return out;
@@ -103,8 +106,9 @@ IterOffsets<Index> iter_offsets(const at::TensorIteratorBase& iter) {
 
 // Elements [first, n) of the chunk starting at linear index base, one scalar
 // access each, with the lane mapping of the vector path.
-template <typename From, typename Target, typename Offsets>
-__device__ __forceinline__ void scalar_steps(ThreadStats<From, Target>& st,
+template <typename Src, typename Target, typename Offsets,
+          typename From = typename SourceFormat<Src>::storage>
+__device__ __forceinline__ void scalar_steps(ThreadStats<Src, Target>& st,
                                              const From* __restrict__ x,
                                              typename Target::storage* __restrict__ y,
                                              const Offsets& offsets, int64_t base, int first,
@@ -126,8 +130,8 @@ __device__ __forceinline__ void scalar_steps(ThreadStats<From, Target>& st,
 // Full lanes-wide steps of a contiguous chunk whose x is 16-byte aligned and
 // whose y is aligned to vec elements: one 16-byte load and one vec-wide store
 // per thread and step, kLoadBatch loads in flight.
-template <typename From, typename Target>
-__device__ __forceinline__ int vector_steps(ThreadStats<From, Target>& st,
+template <typename Src, typename Target, typename From = typename SourceFormat<Src>::storage>
+__device__ __forceinline__ int vector_steps(ThreadStats<Src, Target>& st,
                                             const From* __restrict__ x,
                                             typename Target::storage* __restrict__ y, int n) {
   using Storage = typename Target::storage;
@@ -156,41 +160,46 @@ __device__ __forceinline__ int vector_steps(ThreadStats<From, Target>& st,
   return steps * kLanes;
 }
 
-template <typename From, typename Target, typename Offsets, bool kVector>
+template <typename Src, typename Target, typename Offsets, bool kVector,
+          typename From = typename SourceFormat<Src>::storage,
+          typename Wide = typename SourceFormat<Src>::wide>
 __global__ void __launch_bounds__(kBlockThreads)
     cast_stats_kernel(const From* __restrict__ x, typename Target::storage* __restrict__ y,
-                      Offsets offsets, int64_t numel, ChunkStats<From>* __restrict__ partials) {
-  ChunkStats<From>* smem = shared_scratch<ChunkStats<From>>();
+                      Offsets offsets, int64_t numel, bool saturate,
+                      ChunkStats<Wide>* __restrict__ partials) {
+  ChunkStats<Wide>* smem = shared_scratch<ChunkStats<Wide>>();
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int64_t base = c * kChunk;
     const int64_t rest = numel - base;  // std::min would take kChunk by reference: host-only
     const int n = static_cast<int>(rest < kChunk ? rest : kChunk);
-    ThreadStats<From, Target> st;
+    ThreadStats<Src, Target> st(saturate);
     int done = 0;
     if constexpr (kVector) done = vector_steps(st, x + base, y + base, n);
     scalar_steps(st, x, y, offsets, base, done, n);
-    const ChunkStats<From> chunk = block_reduce(st.finish(), smem);
+    const ChunkStats<Wide> chunk = block_reduce(st.finish(), smem);
     if (threadIdx.x == 0) partials[c] = chunk;
   }
 }
 
 // reduce_partials (numerics.h) on the device: thread t folds partials t,
 // t + kBlockThreads, ... in order, then the block tree; thread 0 writes stats.
-template <typename From>
+template <typename Wide>
 __global__ void __launch_bounds__(kBlockThreads)
-    finish_stats_kernel(const ChunkStats<From>* __restrict__ partials, int64_t nchunks,
+    finish_stats_kernel(const ChunkStats<Wide>* __restrict__ partials, int64_t nchunks,
                         int64_t numel, double* __restrict__ stats) {
-  ChunkStats<From> acc;
+  ChunkStats<Wide> acc;
   for (int64_t i = threadIdx.x; i < nchunks; i += kBlockThreads) acc.merge(partials[i]);
-  acc = block_reduce(acc, shared_scratch<ChunkStats<From>>());
+  acc = block_reduce(acc, shared_scratch<ChunkStats<Wide>>());
   if (threadIdx.x == 0) acc.write(stats, numel);
 }
 
-template <typename From, typename Target, typename Offsets, bool kVector>
+template <typename Src, typename Target, typename Offsets, bool kVector,
+          typename From = typename SourceFormat<Src>::storage,
+          typename Wide = typename SourceFormat<Src>::wide>
 void launch_cast(const From* x, typename Target::storage* y, const Offsets& offsets,
-                 int64_t numel, ChunkStats<From>* partials, cudaStream_t stream) {
-  const auto kernel = cast_stats_kernel<From, Target, Offsets, kVector>;
+                 int64_t numel, bool saturate, ChunkStats<Wide>* partials, cudaStream_t stream) {
+  const auto kernel = cast_stats_kernel<Src, Target, Offsets, kVector>;
   // Residency depends only on the kernel and the architecture; cached once
   // per kernel (a mixed-architecture machine would get a suboptimal grid
   // size, never a different result: the chunking fixes the order).
@@ -207,14 +216,17 @@ void launch_cast(const From* x, typename Target::storage* y, const Offsets& offs
   // the chunks in that many rounds, so every block does the same work (+-1).
   const int64_t rounds = (nchunks + resident - 1) / resident;
   const int64_t grid = (nchunks + rounds - 1) / rounds;
-  kernel<<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(x, y, offsets, numel, partials);
+  kernel<<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(x, y, offsets, numel, saturate,
+                                                                     partials);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The backend of cast_with_stats<> (cast_common.h).
 struct CudaCast {
-  template <typename From, typename Target>
-  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y) {
+  template <typename Src, typename Target>
+  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y, bool saturate) {
+    using From = typename SourceFormat<Src>::storage;
+    using Partial = ChunkStats<typename SourceFormat<Src>::wide>;
     using Storage = typename Target::storage;
     constexpr int kVec = vec_of<From>();
     const c10::cuda::CUDAGuard guard(x.device());
@@ -226,9 +238,9 @@ struct CudaCast {
 
     auto stats = at::empty({kNumStats}, x.options().dtype(at::kDouble));
     auto partial_bytes = at::empty(
-        {std::max<int64_t>(nchunks, 1) * static_cast<int64_t>(sizeof(ChunkStats<From>))},
+        {std::max<int64_t>(nchunks, 1) * static_cast<int64_t>(sizeof(Partial))},
         x.options().dtype(at::kByte));
-    auto* partials = static_cast<ChunkStats<From>*>(partial_bytes.data_ptr());
+    auto* partials = static_cast<Partial*>(partial_bytes.data_ptr());
 
     if (numel > 0) {
       auto* yp = static_cast<Storage*>(iter.data_ptr(0));
@@ -237,20 +249,20 @@ struct CudaCast {
         const bool aligned = reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                              reinterpret_cast<uintptr_t>(yp) % (kVec * sizeof(Storage)) == 0;
         if (aligned) {
-          launch_cast<From, Target, LinearOffsets, true>(xp, yp, {}, numel, partials, stream);
+          launch_cast<Src, Target, LinearOffsets, true>(xp, yp, {}, numel, saturate, partials, stream);
         } else {
-          launch_cast<From, Target, LinearOffsets, false>(xp, yp, {}, numel, partials, stream);
+          launch_cast<Src, Target, LinearOffsets, false>(xp, yp, {}, numel, saturate, partials, stream);
         }
       } else if (iter.can_use_32bit_indexing()) {
-        launch_cast<From, Target, IterOffsets<uint32_t>, false>(
-            xp, yp, iter_offsets<uint32_t>(iter), numel, partials, stream);
+        launch_cast<Src, Target, IterOffsets<uint32_t>, false>(
+            xp, yp, iter_offsets<uint32_t>(iter), numel, saturate, partials, stream);
       } else {
-        launch_cast<From, Target, IterOffsets<uint64_t>, false>(
-            xp, yp, iter_offsets<uint64_t>(iter), numel, partials, stream);
+        launch_cast<Src, Target, IterOffsets<uint64_t>, false>(
+            xp, yp, iter_offsets<uint64_t>(iter), numel, saturate, partials, stream);
       }
     }
-    finish_stats_kernel<From><<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,
-                                                               stats.data_ptr<double>());
+    finish_stats_kernel<<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,
+                                                         stats.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return stats;
   }

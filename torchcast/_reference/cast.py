@@ -3,21 +3,32 @@ kernels, and an independent restatement of the kernels' arithmetic.
 
 It reproduces the kernels bit for bit: the same correctly rounded y (round to
 odd in float32, then to nearest even) and the same statistics, including the
-compensated float32 sums, which it reduces in the canonical order described
-in csrc/numerics.h (order.py)."""
+sums (compensated float32, or plain float64 for float64 sources), which it
+reduces in the canonical order described in csrc/numerics.h (order.py)."""
 import torch
 
 from ..stats import STAT_FIELDS
 from . import order
-from .compensated import Compensated
+from .compensated import Compensated, PlainDouble
 from .rounding import correctly_rounded
 
-_RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
-LOSSY_PAIRS = (
-    (torch.float64, torch.float32), (torch.float64, torch.float16),
-    (torch.float64, torch.bfloat16), (torch.float32, torch.float16),
-    (torch.float32, torch.bfloat16),
-)
+# How wide each floating dtype is: a cast to a higher rank is exact; to a
+# lower one, or between the two 16-bit formats, lossy; between the two
+# float8 formats, not supported (csrc/cast_common.cpp's float_rank).
+_RANK = {torch.float64: 4, torch.float32: 3, torch.float16: 2, torch.bfloat16: 2,
+         torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
+SUPPORTED = (
+    "supported lossy pairs: float64->float32; float64, float32->float16, bfloat16; "
+    "float16<->bfloat16; float64, float32, float16, bfloat16->float8_e4m3fn, float8_e5m2. "
+    "Widening and same-dtype casts between these dtypes are exact")
+
+
+def _lossy(src, dst):
+    rs, rd = _RANK[src], _RANK[dst]
+    return rs > rd and rd > 0 or (rs == rd == 2 and src != dst)
+
+
+LOSSY_PAIRS = tuple((s, d) for s in _RANK for d in _RANK if _RANK[s] > 1 and _lossy(s, d))
 
 
 def dtype_name(dtype):
@@ -28,28 +39,30 @@ def classify_cast(src, dst):
     """'lossy' or 'exact'; TypeError (as the C++ op raises) for anything else."""
     rs, rd = _RANK.get(src, 0), _RANK.get(dst, 0)
     if rs == 0 or rd == 0 or (rs == rd == 1 and src != dst):
-        pairs = ", ".join(f"{str(a)[6:]}->{str(b)[6:]}" for a, b in LOSSY_PAIRS)
         raise TypeError(
             f"torchcast.cast_with_stats: cannot measure a cast of x from {dtype_name(src)} "
-            f"to {dtype_name(dst)}; supported lossy pairs: {pairs}; widening and same-dtype "
-            "casts between float16/bfloat16/float32/float64 are exact. For other casts use "
-            "x.to(dtype).")
-    return "lossy" if rs > rd else "exact"
+            f"to {dtype_name(dst)}; {SUPPORTED}. For other casts use x.to(dtype).")
+    return "lossy" if rs > rd or (rs == rd and src != dst) else "exact"
 
 
-_MIN_NORMAL = {
-    torch.float32: torch.finfo(torch.float32).tiny,
-    torch.float16: torch.finfo(torch.float16).tiny,
-    torch.bfloat16: torch.finfo(torch.bfloat16).tiny,
-}
+def resolve_saturate(saturate, dtype):
+    """saturate, or (None) what x.to(dtype) does: torch saturates casts to
+    float8_e4m3fn (+-inf included) and no others."""
+    return saturate if saturate is not None else dtype == torch.float8_e4m3fn
+
+
+_MIN_NORMAL = {dtype: torch.finfo(dtype).tiny for dtype in _RANK}
 
 
 def canonical_sum(terms, element_size):
-    """Compensated float32 sum of a 1-D float32 tensor in the cast kernels'
-    order for an input of element_size bytes: a 0-dim float64 tensor."""
+    """The sum of a 1-D tensor of terms in the cast kernels' order for an
+    input of element_size bytes, as a 0-dim float64 tensor: compensated
+    float32 for float32 terms, plain float64 for float64 terms (float64
+    sources, numerics.h's PlainSums)."""
+    pol = PlainDouble if terms.dtype == torch.float64 else Compensated
     rows = terms.reshape(1, -1)
-    partials = order.block_partials(rows, order.thread_lanes(element_size), Compensated)
-    return order.total(partials, Compensated)[0]
+    partials = order.block_partials(rows, order.thread_lanes(element_size), pol)
+    return order.total(partials, pol)[0]
 
 
 def iteration_order(t, layout):
@@ -119,43 +132,70 @@ def check_out(x, dtype, out):
 
 
 def exact_cast_stats(x):
-    """The stats of an exact cast of x: numel and the NaN it carries."""
-    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=x.device)
-    stats[0] = x.numel()
-    stats[1] = torch.isnan(x).sum()
-    return stats
+    """The stats of an exact cast of x: numel, the NaN and +-inf it carries,
+    and amax."""
+    xw = x.float() if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    values = dict.fromkeys(STAT_FIELDS, zero)
+    values.update(numel=torch.full_like(zero, x.numel()), nan=torch.isnan(xw).sum(),
+                  inf=torch.isinf(xw).sum())
+    if x.numel():
+        values["amax"] = torch.where(torch.isfinite(xw), xw.abs(), 0).amax()
+    return torch.stack([values[name].to(device=x.device, dtype=torch.float64)
+                        for name in STAT_FIELDS])
 
 
-def cast_with_stats(x, dtype, out=None):
+def cast_with_stats(x, dtype, out=None, saturate=None):
     kind = classify_cast(x.dtype, dtype)
     if out is not None:
         check_out(x, dtype, out)
     y = torch.empty_like(x, dtype=dtype) if out is None else out
-    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=x.device)
-    stats[0] = x.numel()
     if kind == "exact":
         y.copy_(x)
         return y, exact_cast_stats(x)
-    y.copy_(correctly_rounded(x, dtype))
+    saturate = resolve_saturate(saturate, dtype)
+    y.copy_(correctly_rounded(x, dtype, saturate))
+    # The errors in the type that holds x exactly: float64 or float32.
     xf = iteration_order(x, y)
-    back = iteration_order(y, y).to(x.dtype)
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    xf = xf if xf.dtype == torch.float64 else xf.float()
+    back = iteration_order(y, y).to(xf.dtype)
+    zero = torch.zeros((), dtype=xf.dtype, device=x.device)
     x_finite, y_finite = torch.isfinite(xf), torch.isfinite(back)
     measured = x_finite & y_finite
     abs_err = torch.where(measured, (xf - back).abs(), zero)
     denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))
     rel_err = abs_err / denom
-    stats[1] = torch.isnan(xf).sum()
-    stats[2] = (x_finite & (back != xf)).sum()
-    stats[3] = (x_finite & ~y_finite).sum()
-    stats[4] = ((xf != 0) & (back == 0)).sum()
-    stats[5] = ((back != 0) & (back.abs() < _MIN_NORMAL[dtype])).sum()
-    if xf.numel():
-        stats[6] = abs_err.max()
-        stats[7] = rel_err.max()
+    n = xf.numel()
+    nan, inf = torch.isnan(xf).sum(), torch.isinf(xf).sum()
+    overflow = (x_finite & ~y_finite).sum()
+    # Beyond the range: not NaN, and not finite once rounded without saturation.
+    if saturate:
+        unsaturated = iteration_order(correctly_rounded(x, dtype), y).to(xf.dtype)
+        saturated = (~torch.isnan(xf) & ~torch.isfinite(unsaturated)).sum()
+    else:
+        saturated = 0
+    values = {
+        "numel": n, "nan": nan, "inf": inf,
+        "inexact": (x_finite & (back != xf)).sum(),
+        "overflow": overflow,
+        "saturated": saturated,
+        "underflow": ((xf != 0) & (back == 0)).sum(),
+        "subnormal": ((back != 0) & (back.abs() < _MIN_NORMAL[dtype])).sum(),
+        "max_abs_err": abs_err.max() if n else 0.0,
+        "max_rel_err": rel_err.max() if n else 0.0,
+        "amax": torch.where(x_finite, xf.abs(), zero).max() if n else 0.0,
+    }
+    # Every finite x overflowed: no measured element is left, and the maxima
+    # are inf rather than 0.
+    all_overflowed = (overflow > 0) & (overflow == n - nan - inf)
+    for name in ("max_abs_err", "max_rel_err"):
+        values[name] = torch.where(all_overflowed, float("inf"), values[name])
+    # The terms in the type the error is computed in (xf's): float64 sums for
+    # float64 sources, compensated float32 sums otherwise.
     size = x.element_size()
-    stats[8] = canonical_sum(abs_err.float(), size)
-    stats[9] = canonical_sum((abs_err * abs_err).float(), size)
-    stats[10] = canonical_sum(torch.where(measured, xf * xf, zero).float(), size)
+    values["sum_abs_err"] = canonical_sum(abs_err, size)
+    values["sum_sq_err"] = canonical_sum(abs_err * abs_err, size)
+    values["sum_sq"] = canonical_sum(torch.where(measured, xf * xf, zero), size)
+    stats = torch.stack([torch.as_tensor(values[name], dtype=torch.float64, device=x.device)
+                         .reshape(()) for name in STAT_FIELDS])
     return y, stats
-

@@ -33,13 +33,71 @@ def _narrow_nans(f, dtype):
     return (h - ((h & 0x8000) << 1)).to(torch.int16).view(dtype)
 
 
-def correctly_rounded(x, dtype):
+def widen_exact(x):
+    """float16/bfloat16 x in float32 with NaN signs and payloads kept, as
+    numerics.h widens them (torch's own x.float() makes every NaN 0x7fffffff;
+    its x.to(float8) keeps the sign, as the kernels do)."""
+    b = x.view(torch.int16).to(torch.int32)
+    if x.dtype == torch.bfloat16:
+        bits = b << 16
+    else:
+        bits = ((b & 0x8000) << 16) | 0x7F800000 | ((b & 0x3FF) << 13)
+    f = x.float()
+    return torch.where(torch.isnan(f), bits.view(torch.float32), f)
+
+
+# The first float32 magnitude that rounds past each format's largest finite
+# value (for float8_e4m3fn, just above 464: 464 itself ties to even, 448).
+_FIRST_OVERFLOW = {
+    torch.float16: 65520.0,
+    torch.bfloat16: torch.tensor(0x7F7F8000, dtype=torch.int32).view(torch.float32).item(),
+    torch.float8_e4m3fn: torch.tensor(0x43E80001, dtype=torch.int32).view(torch.float32).item(),
+    torch.float8_e5m2: 61440.0,
+}
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _signed_largest(negative, dtype):
+    big = torch.finfo(dtype).max
+    return torch.where(negative, -big, big)
+
+
+def _narrow(f, dtype, saturate):
+    """float32 f rounded to a narrower dtype (float16, bfloat16, float8),
+    numerics.h's bits: out-of-range values (+-inf included) are +-largest
+    with saturate, else the format's overflow value (inf; NaN for e4m3fn,
+    whose NaN is 0x7f with the sign)."""
+    beyond = f.abs() >= _FIRST_OVERFLOW[dtype]  # False for NaN
+    if dtype in FLOAT8:
+        # torch saturates e4m3fn; its other roundings are numerics.h's. Both
+        # formats' NaN is 0x7f with f's sign, and so is e4m3fn's overflow.
+        y = f.to(dtype)
+        u = f.view(torch.int32)
+        nan_bits = (((u >> 24) & 0x80) | 0x7F).to(torch.uint8).view(dtype)
+        nan = torch.isnan(f)
+        if dtype == torch.float8_e4m3fn:
+            nan = nan | beyond
+        y = torch.where(nan, nan_bits, y)
+    else:
+        y = torch.where(torch.isnan(f), _narrow_nans(f, dtype), f.to(dtype))
+    if saturate:
+        y = torch.where(beyond, _signed_largest(f < 0, dtype).to(dtype), y)
+    return y
+
+
+def correctly_rounded(x, dtype, saturate=False):
     """x rounded once to dtype, NaNs as the kernels write them (torch's own
-    NaN bits depend on the device and, for bfloat16, on the layout)."""
+    NaN bits depend on the device and, for bfloat16, on the layout); with
+    saturate, values beyond dtype's range (+-inf included) become its
+    +-largest finite value."""
     if x.dtype == torch.float64:
         if dtype == torch.float32:
-            return torch.where(torch.isnan(x), _float32_nans(x), x.to(torch.float32))
+            y = torch.where(torch.isnan(x), _float32_nans(x), x.to(torch.float32))
+            if saturate:
+                beyond = ~torch.isnan(x) & torch.isinf(y)
+                y = torch.where(beyond, _signed_largest(x < 0, torch.float32), y)
+            return y
         f = torch.where(torch.isnan(x), _float32_nans(x), round_to_odd_float32(x))
     else:
-        f = x
-    return torch.where(torch.isnan(f), _narrow_nans(f, dtype), f.to(dtype))
+        f = x if x.dtype == torch.float32 else widen_exact(x)
+    return _narrow(f, dtype, saturate)

@@ -2,11 +2,12 @@
 
 A tracked cast returns exactly what PyTorch returns, and its stats describe
 that result. The fused op rounds correctly, and so does PyTorch for every
-pair but float64 -> float16/bfloat16, which PyTorch rounds twice (through
-float32): for those the op measures every element where the two roundings
-agree, and the few elements where PyTorch's double rounding lands on the
-other neighbour are measured against PyTorch's value (``Record.double_rounded``
-counts them).
+pair but float64 -> float16/bfloat16/float8, which PyTorch rounds twice
+(through float32): for those the op measures every element where the two
+roundings agree, and the few elements where PyTorch's double rounding lands
+on the other neighbour are measured against PyTorch's value
+(``Record.double_rounded`` counts them). Casts to float8_e4m3fn are measured
+as torch makes them, saturating (inf becomes 448: a ``saturated`` violation).
 """
 import dataclasses
 from typing import Optional
@@ -18,12 +19,14 @@ from ..stats import merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
-# Real dtypes the fused op measures, by precision rank.
-_RANK = {torch.float64: 3, torch.float32: 2, torch.float16: 1, torch.bfloat16: 1}
-_HALVES = (torch.float16, torch.bfloat16)
+# Real dtypes the fused op measures, by precision rank (the two float8
+# formats cannot be cast into each other).
+_RANK = {torch.float64: 4, torch.float32: 3, torch.float16: 2, torch.bfloat16: 2,
+         torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
 _REAL_OF = {torch.complex128: torch.float64, torch.complex64: torch.float32,
             torch.complex32: torch.float16}
-_DOUBLE_ROUNDED = frozenset((torch.float64, h) for h in _HALVES)
+_DOUBLE_ROUNDED = frozenset((torch.float64, d) for d in
+                            (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def _double_rounded_stats(x, dtype, t):
@@ -44,10 +47,12 @@ def _double_rounded_stats(x, dtype, t):
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     tiny = torch.finfo(dtype).tiny
     own = stats_tensor({
-        "numel": zero, "nan": zero, "inexact": differ.sum(),
-        "overflow": (differ & torch.isinf(td)).sum(), "underflow": (differ & (td == 0)).sum(),
+        "numel": zero, "nan": zero, "inf": zero, "inexact": differ.sum(),
+        "overflow": (differ & ~torch.isfinite(td)).sum(), "saturated": zero,
+        "underflow": (differ & (td == 0)).sum(),
         "subnormal": (differ & (td != 0) & (td.abs() < tiny)).sum(),
-        "max_abs_err": err.max(), "max_rel_err": rel.max(), "sum_abs_err": err.sum(),
+        "max_abs_err": err.max(), "max_rel_err": rel.max(),
+        "amax": torch.where(differ, x.abs(), 0.0).max(), "sum_abs_err": err.sum(),
         "sum_sq_err": (err * err).sum(), "sum_sq": torch.where(finite, x * x, 0.0).sum()})
     return merge_stats_tensors(torch.stack([rest, own])), differ.sum()
 
@@ -63,10 +68,6 @@ def _measure(x, dtype, t):
             return _ops.cast_with_stats(x, dtype)[1], None, t
         stats, differ = _double_rounded_stats(x, dtype, t)
         return stats, differ, t
-    if x.dtype in _HALVES:
-        # float16 <-> bfloat16: the op has no such pair, but widening to
-        # float32 is exact and PyTorch converts through float32 too.
-        x = x.float()
     y, stats = _ops.cast_with_stats(x, dtype)
     return stats, None, y
 
@@ -117,8 +118,9 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         return None
     if not (s_dt.is_floating_point and dtype.is_floating_point):
         return None  # integer and bool sources: not a precision question track answers
-    if s_dt not in _RANK or dtype not in _RANK:
-        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 and other formats
+    float8_to_float8 = s_dt != dtype and _RANK.get(s_dt) == _RANK.get(dtype) == 1
+    if s_dt not in _RANK or dtype not in _RANK or float8_to_float8:
+        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # and other formats
     if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:  # widening (or the real part kept): exact
         return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
     stats, differ, y = _measure(src, dtype, t)

@@ -23,7 +23,7 @@ from .tensorboard import write_tensorboard
 SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype,
                 Optional[str]]
 
-_LOSS_COLUMNS = ("inexact", "nan", "overflow", "underflow", "subnormal")
+_LOSS_COLUMNS = ("inexact", "nan", "overflow", "saturated", "underflow", "subnormal")
 
 
 def _phrase_kind(phrase):
@@ -42,12 +42,13 @@ class Record:
 
     ``stats`` merges every call's CastStats (elements of complex casts count
     real components when both sides are complex). ``measured`` is false where
-    the loss is not measured (float -> integer casts, float8 formats): then
+    the loss is not measured (float -> integer casts, float8_e4m3fn <->
+    float8_e5m2, formats torchcast does not know): then
     only ``stats.numel`` is set. ``graph_cuts`` counts casts of a tensor that
     required grad to an integer or bool dtype; ``imag_dropped`` the elements
     whose nonzero imaginary part a complex -> real cast dropped;
     ``double_rounded`` the elements where PyTorch's float64 ->
-    float16/bfloat16 cast (rounded twice, through float32) differs from the
+    float16/bfloat16/float8 cast (rounded twice, through float32) differs from the
     correctly rounded value: ``stats`` measure PyTorch's value. ``file`` and
     ``line`` are the user's (outside torch, torchcast and libraries); ``via``
     is the library frame the cast came through ("path:line"), if any."""
@@ -107,12 +108,16 @@ class Record:
 
     def to_dict(self) -> Dict[str, Any]:
         """The record as JSON-ready values (dtypes as strings, an infinite
-        or NaN ``sqnr_db`` as None)."""
+        or NaN ``sqnr_db`` as None, other infinite stats, such as the maxima
+        of casts that all overflowed, as the strings "inf"/"nan" that
+        ``float()`` reads back: strict JSON has no inf/NaN)."""
         stats = self.stats.to_dict()
         for name in ("src_dtype", "dtype"):
             stats.pop(name)
         sqnr = stats.pop("sqnr_db")
-        stats["sqnr_db"] = sqnr if math.isfinite(sqnr) else None  # strict JSON has no inf/NaN
+        stats = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v)
+                 for k, v in stats.items()}
+        stats["sqnr_db"] = sqnr if math.isfinite(sqnr) else None
         return {
             "site": self.site, "module": self.module, "file": self.file, "line": self.line,
             "via": self.via, "origin": self.origin, "name": self.name,
@@ -331,7 +336,7 @@ class Report:
                       if r.measured else ["-"] * (len(_LOSS_COLUMNS) + 1))
             found = r.violations(self.rtol, self.atol, self.kinds)
             flagged = ", ".join(_phrase_kind(p) for p in found)
-            notes = [n for n in r.notes(self.kinds) if n.split()[-1] not in _LOSS_COLUMNS]
+            notes = [n for n in r.notes(self.kinds) if _phrase_kind(n).split()[0] not in _LOSS_COLUMNS]
             if r.double_rounded:
                 notes.append(f"{r.double_rounded} double-rounded by torch")
             if r.origin.startswith("promotion"):

@@ -1,0 +1,272 @@
+"""Casts to float8_e4m3fn and float8_e5m2, and between float16 and bfloat16:
+every pair rounded once (ties to even) against ml_dtypes, exhaustively where
+the input space allows, the statistics against numpy, saturation, and what
+torch's own x.to(float8) does."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import torchcast
+from torchcast.stats import CastStats
+
+from numpy_ref import LARGEST, round_to_format, stats_reference
+
+OP = torch.ops.torchcast.cast_with_stats
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+NP = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2,
+      torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}
+BITS = {1: torch.uint8, 2: torch.int16}
+
+
+def every_16bit_value(dtype):
+    return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def every_float8_value(dtype):
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+
+
+def to_numpy(t):
+    """t's values as ml_dtypes/numpy values of its own dtype (bit for bit)."""
+    if t.dtype in (torch.float32, torch.float64):
+        return t.numpy()
+    return t.view(BITS[t.itemsize]).numpy().view(NP[t.dtype])
+
+
+def ml_cast(x, dtype, saturate):
+    """ml_dtypes' rounding of x to dtype as float64, clamped to +-largest
+    where it overflowed (to inf or NaN from a non-NaN x) when saturating."""
+    xs = to_numpy(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = xs.astype(NP[dtype]).astype(np.float64)
+    if saturate:
+        wide = xs.astype(np.float64)
+        beyond = ~np.isnan(wide) & ~np.isfinite(y)
+        y = np.where(beyond, np.copysign(LARGEST[dtype], wide), y)
+    return y
+
+
+def assert_same_values(y, expected):
+    got = y.double().numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    ok = np.isnan(expected) | (got == expected) & (np.signbit(got) == np.signbit(expected))
+    assert ok.all(), (np.nonzero(~ok)[0][:5], got[~ok][:5], expected[~ok][:5])
+
+
+def assert_stats_match_numpy(s, x, dtype, saturate):
+    ref = stats_reference(x, dtype, saturate)
+    for name in ("numel", "nan", "inf", "inexact", "overflow", "saturated", "underflow",
+                 "subnormal", "max_abs_err", "max_rel_err", "amax"):
+        assert getattr(s, name) == ref[name], (name, getattr(s, name), ref[name])
+    for name in ("sum_abs_err", "sum_sq_err", "sum_sq"):
+        if ref[name] > torch.finfo(torch.float32).max:  # the float32 sums' documented limit
+            assert getattr(s, name) == math.inf, name
+        else:
+            assert getattr(s, name) == pytest.approx(ref[name], rel=1e-6, abs=0), name
+
+
+PAIRS_16 = [(src, dst) for src in (torch.float16, torch.bfloat16)
+            for dst in FLOAT8 + ({torch.float16: torch.bfloat16}.get(src, torch.float16),)]
+
+
+@pytest.mark.parametrize("saturate", [None, False, True])
+@pytest.mark.parametrize("src,dst", PAIRS_16, ids=lambda d: str(d)[6:])
+def test_every_16bit_input_rounds_once(src, dst, saturate):
+    """All 2^16 float16/bfloat16 inputs against ml_dtypes, and the stats of
+    the whole set against numpy."""
+    x = every_16bit_value(src)
+    y, stats = OP(x, dst, saturate=saturate)
+    sat = dst == torch.float8_e4m3fn if saturate is None else saturate
+    assert_same_values(y, ml_cast(x, dst, sat))
+    assert_stats_match_numpy(CastStats.from_tensor(stats), x, dst, sat)
+    yr, sr = torchcast._reference.cast.cast_with_stats(x, dst, saturate=saturate)
+    assert torch.equal(y.view(BITS[y.itemsize]), yr.view(BITS[y.itemsize]))
+    assert torch.equal(stats, sr)
+
+
+@pytest.mark.parametrize("src,dst", PAIRS_16, ids=lambda d: str(d)[6:])
+def test_default_is_bitwise_what_torch_does(src, dst):
+    """saturate=None gives x.to(dtype)'s bits, NaN signs included, for every
+    16-bit input (float16 <-> bfloat16 NaNs excepted: torch's bfloat16 NaN
+    is 0x7fc0 here, as numerics.h writes it, so they agree too)."""
+    x = every_16bit_value(src)
+    y, _ = OP(x, dst)
+    bits = BITS[y.itemsize]
+    assert torch.equal(y.view(bits), x.to(dst).view(bits))
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_float8_values_midpoints_and_neighbours(src, dst, saturate):
+    """Every float8 value, every midpoint between neighbours (the ties), and
+    the adjacent src values on both sides of each, against ml_dtypes; the
+    stats against numpy."""
+    v = every_float8_value(dst).double().numpy()
+    v = np.unique(v[np.isfinite(v) & (v >= 0)])
+    top = LARGEST[dst] + (LARGEST[dst] - v[-2]) / 2  # the tie above the largest value
+    mids = np.concatenate([(v[1:] + v[:-1]) / 2, [top, 2 * top]])
+    np_src = np.float32 if src == torch.float32 else np.float64
+    pts = np.concatenate([v, mids]).astype(np_src)
+    pts = np.concatenate([pts, np.nextafter(pts, np_src(np.inf)), np.nextafter(pts, np_src(0))])
+    pts = np.concatenate([pts, -pts, [np.inf, -np.inf, np.nan]]).astype(np_src)
+    x = torch.from_numpy(pts)
+    y, stats = OP(x, dst, saturate=saturate)
+    assert_same_values(y, ml_cast(x, dst, saturate))
+    assert_stats_match_numpy(CastStats.from_tensor(stats), x, dst, saturate)
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+def test_wide_random_values(src, dst):
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 18
+    x = torch.randn(n, dtype=torch.float64, generator=g) * torch.exp2(
+        torch.randint(-40, 40, (n,), generator=g).double())
+    x = x.to(src)
+    for sat in (False, True):
+        y, stats = OP(x, dst, saturate=sat)
+        assert_same_values(y, ml_cast(x, dst, sat))
+        assert_stats_match_numpy(CastStats.from_tensor(stats), x, dst, sat)
+
+
+def test_numpy_reference_agrees_with_ml_dtypes():
+    """The numpy rounding the stats are checked against is itself right."""
+    for dst in FLOAT8 + (torch.float16, torch.bfloat16):
+        x = every_16bit_value(torch.float16 if dst != torch.float16 else torch.bfloat16)
+        xs = to_numpy(x).astype(np.float64)
+        ours = round_to_format(xs, dst)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ml = to_numpy(x).astype(NP[dst]).astype(np.float64)
+        assert np.array_equal(ours, ml, equal_nan=True)
+
+
+# --- what torch does ------------------------------------------------------
+
+def test_torch_saturates_e4m3fn_and_turns_inf_into_448():
+    """torch's e4m3fn cast saturates: inf, and every value past 464 (the
+    tie between 448 and the NaN code), become 448, where ml_dtypes and the
+    format (no inf) give NaN. e5m2 keeps inf."""
+    x = torch.tensor([math.inf, -math.inf, 464.0, 464.5, 480.0, 1e6])
+    t = x.to(torch.float8_e4m3fn).float()
+    assert t.tolist() == [448.0, -448.0, 448.0, 448.0, 448.0, 448.0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        ml = x.numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert ml[2] == 448 and np.isnan(ml[[0, 1, 3, 4, 5]]).all()
+    y, stats = OP(x, torch.float8_e4m3fn)
+    assert torch.equal(y.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    s = CastStats.from_tensor(stats)
+    assert (s.inf, s.saturated, s.overflow, s.inexact) == (2, 5, 0, 4)
+    assert torch.isinf(x.to(torch.float8_e5m2).float()[:2]).all()
+
+
+def test_torch_rounds_float64_to_float8_twice():
+    """torch converts float64 to float8 through float32, rounding twice: a
+    value just above a float8 midpoint (by less than half a float32 ulp)
+    lands on the midpoint, which then rounds to even. cast_with_stats rounds
+    once, as ml_dtypes does. Random data rarely hits this: 2^18 wide-range
+    values find no case."""
+    for dst, v in ((torch.float8_e4m3fn, 1.0625), (torch.float8_e5m2, 1.125)):
+        x = torch.tensor([v + 2.0 ** -30, -(v + 2.0 ** -30)], dtype=torch.float64)
+        once = x.numpy().astype(NP[dst]).astype(np.float64)
+        assert x.to(dst).double().abs().tolist() == [1.0, 1.0] != np.abs(once).tolist()
+        y, _ = OP(x, dst)
+        assert y.double().numpy().tolist() == once.tolist()
+        g = torch.Generator().manual_seed(1)
+        r = torch.randn(1 << 18, dtype=torch.float64, generator=g) * torch.exp2(
+            torch.randint(-12, 12, (1 << 18,), generator=g).double())
+        assert torch.equal(OP(r, dst)[0].view(torch.uint8), r.to(dst).view(torch.uint8))
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+def test_torch_single_rounding_sources_agree_with_ml_dtypes(src, dst):
+    """From float32, bfloat16 and float16 torch rounds once, like ml_dtypes,
+    except for e4m3fn's saturation."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(1 << 20, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (1 << 20,), generator=g).float())).to(src)
+    assert_same_values(x.to(dst), ml_cast(x, dst, saturate=dst == torch.float8_e4m3fn))
+
+
+# --- saturate, errors, autograd, compile ----------------------------------
+
+def test_saturate_clamps_and_counts():
+    x = torch.tensor([1e5, -1e5, 60000.0, math.inf, -math.inf, math.nan, 1.0])
+    y, stats = OP(x, torch.float8_e5m2, saturate=True)
+    assert y.float().tolist()[:5] == [57344.0, -57344.0, 57344.0, 57344.0, -57344.0]
+    s = CastStats.from_tensor(stats)
+    assert (s.saturated, s.overflow, s.inf, s.nan) == (4, 0, 2, 1)  # 60000 rounds to 57344
+    assert s.max_abs_err == 1e5 - 57344 and s.amax == 1e5
+    y, stats = OP(x, torch.float8_e4m3fn, saturate=False)
+    assert torch.isnan(y.float()[:5]).all()
+    s = CastStats.from_tensor(stats)
+    assert (s.saturated, s.overflow, s.inf) == (0, 3, 2)
+
+
+def test_every_element_overflowed_reads_inf_not_zero():
+    x = torch.tensor([1e6, -1e6, math.nan, math.inf])
+    s = CastStats.from_tensor(OP(x, torch.float8_e5m2)[1])
+    assert s.overflow == 2 and s.max_abs_err == math.inf and s.max_rel_err == math.inf
+    assert "all overflowed" in str(s)
+    s = CastStats.from_tensor(OP(torch.tensor([1e6, 1.0]), torch.float8_e5m2)[1])
+    assert s.max_abs_err == 0 and "1 overflowed" in str(s)
+
+
+def test_saturate_argument_checked():
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match="saturate must be a bool"):
+        torchcast.cast_with_stats(x, torch.float8_e4m3fn, saturate=1)
+    with pytest.raises(TypeError, match="saturate applies to floating targets"):
+        torchcast.safe_to(x, torch.int32, saturate=True)
+
+
+def test_safe_to_flags_inf_saturated_to_448():
+    x = torch.tensor([1.0, math.inf])
+    with pytest.warns(torchcast.PrecisionWarning, match=r"1 saturated to ±448 \(1 of them ±inf\)"):
+        y = torchcast.safe_to(x, torch.float8_e4m3fn, policy="warn")
+    assert y.float().tolist() == [1.0, 448.0]
+
+
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+def test_float8_gradient_is_identity(dst):
+    """d y / d x is the identity (saturated elements too, as for x.to), in
+    x's dtype."""
+    x = torch.tensor([0.3, -2.0, 1e6], dtype=torch.float64, requires_grad=True)
+    y, _ = OP(x, dst)
+    (y.double() * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
+    assert x.grad.dtype == torch.float64 and x.grad.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_float8_out_compiles():
+    x = torch.randn(33, 7, dtype=torch.float64) * 1e3
+
+    def f(x, out):
+        return torch.ops.torchcast.cast_with_stats.out(x, torch.float8_e4m3fn, out=out)
+
+    eager = torch.empty(33, 7, dtype=torch.float8_e4m3fn)
+    compiled = torch.empty(33, 7, dtype=torch.float8_e4m3fn)
+    s_eager = f(x, eager)
+    s_compiled = torch.compile(f, fullgraph=True, dynamic=True)(x, compiled)
+    assert torch.equal(s_eager, s_compiled)
+    assert torch.equal(eager.view(torch.uint8), compiled.view(torch.uint8))
+
+
+def test_tracker_measures_float8_and_flags_inf_to_448():
+    x = torch.tensor([1.0, 500.0, math.inf, 2.0 ** -12])
+    with torchcast.track(all_casts=True) as report:
+        x.to(torch.float8_e4m3fn)
+        x.to(torch.float8_e5m2)
+        x.to(torch.float8_e5m2).to(torch.bfloat16)
+    rows = {(r.src_dtype, r.dtype): r for r in report.records}
+    e4 = rows[(torch.float32, torch.float8_e4m3fn)].stats
+    assert (e4.saturated, e4.inf, e4.underflow) == (2, 1, 1)
+    e5 = rows[(torch.float32, torch.float8_e5m2)].stats
+    assert (e5.saturated, e5.inf, e5.overflow) == (0, 1, 0) and e5.inexact == 1
+    widen = rows[(torch.float8_e5m2, torch.bfloat16)].stats
+    assert widen.inexact == 0 and widen.inf == 1
+    assert "2 saturated (1 of them ±inf)" in rows[(torch.float32, torch.float8_e4m3fn)].violations()
+    assert "saturated (1 of them ±inf)" in report.table()
