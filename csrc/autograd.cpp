@@ -14,30 +14,40 @@ using torch::autograd::variable_list;
 class CastWithStats : public torch::autograd::Function<CastWithStats> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::ScalarType dtype,
-                               std::optional<bool> saturate) {
+                               const std::optional<at::Tensor>& scale, std::optional<bool> saturate) {
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("torchcast::cast_with_stats", "")
             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType,
+                                                      const std::optional<at::Tensor>&,
                                                       std::optional<bool>)>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, stats] = op.call(x, dtype, saturate);
+    auto [y, stats] = op.call(x, dtype, scale, saturate);
     ctx->saved_data["src_dtype"] = static_cast<int64_t>(x.scalar_type());
+    if (scale.has_value()) ctx->save_for_backward({*scale});
     ctx->mark_non_differentiable({stats});
     return {y, stats};
   }
 
-  // The cast's derivative is the identity (saturated elements included, as
-  // for x.to(dtype)); the gradient comes back in x's dtype.
+  // y = x (or x * scale) rounded: the derivative is the identity (scale),
+  // saturated elements included, as for x.to(dtype); the gradient comes back
+  // in x's dtype. The scale gets none: it is a recipe's choice, not a
+  // parameter of the cast.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src_dtype"].toInt());
-    return {grads[0].defined() ? grads[0].to(src) : at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor grad;
+    if (grads[0].defined()) {
+      const auto saved = ctx->get_saved_variables();
+      grad = saved.empty() ? grads[0].to(src) : grads[0].to(src).mul(saved[0].reshape({}).to(src));
+    }
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x, at::ScalarType dtype,
+                                                            const std::optional<at::Tensor>& scale,
                                                             std::optional<bool> saturate) {
-  auto out = CastWithStats::apply(x, dtype, saturate);
+  auto out = CastWithStats::apply(x, dtype, scale, saturate);
   return {out[0], out[1]};
 }
 
@@ -45,6 +55,7 @@ std::tuple<at::Tensor, at::Tensor> cast_with_stats_autograd(const at::Tensor& x,
 // out cannot carry a graph, and writing into a leaf that requires grad would
 // cut it silently.
 at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtype,
+                                        const std::optional<at::Tensor>& scale,
                                         std::optional<bool> saturate, at::Tensor& out) {
   TORCH_CHECK(!at::GradMode::is_enabled() || !(x.requires_grad() || out.requires_grad()),
               "torchcast.cast_with_stats(): functions with out=... arguments don't support "
@@ -53,11 +64,12 @@ at::Tensor cast_with_stats_out_autograd(const at::Tensor& x, at::ScalarType dtyp
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("torchcast::cast_with_stats", "out")
                              .typed<at::Tensor(const at::Tensor&, at::ScalarType,
+                                               const std::optional<at::Tensor>&,
                                                std::optional<bool>, at::Tensor&)>();
   at::Tensor stats;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    stats = op.call(x, dtype, saturate, out);
+    stats = op.call(x, dtype, scale, saturate, out);
   }
   torch::autograd::impl::bump_version(out);  // out was written in place
   return stats;

@@ -73,6 +73,22 @@ bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to) {
   return saturate.value_or(to == at::kFloat8_e4m3fn);
 }
 
+const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
+                        const std::optional<at::Tensor>& scale) {
+  if (!scale.has_value()) return nullptr;
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(kind == CastKind::kNarrowing, "torchcast.cast_with_stats: a scale applies to lossy "
+              "casts; the cast of x from ", dtype_name(x.scalar_type()), " to ", dtype_name(dtype),
+              " is exact. Drop scale (and multiply x yourself if you meant to)");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, "torchcast.cast_with_stats: scale "
+              "must be a one-element float32 tensor, got ", dtype_name(s.scalar_type()),
+              " of shape ", s.sizes(), "; pass torch.tensor(value, dtype=torch.float32, device=x.device)");
+  TORCH_CHECK(s.device() == x.device(), "torchcast.cast_with_stats: scale is on ", s.device(),
+              " but x is on ", x.device(), "; move scale to x's device (it is read there, never "
+              "on the host)");
+  return s.const_data_ptr<float>();
+}
+
 void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == dtype, "torchcast.cast_with_stats: out has dtype ",
               dtype_name(out.scalar_type()), " but the cast is to ", dtype_name(dtype),

@@ -26,6 +26,12 @@ CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 // to float8_e4m3fn (+-inf included) and no others.
 bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to);
 
+// Checks a scaled cast's scale (a one-element float32 tensor on x's device,
+// for a lossy cast) and returns its element's address there, or nullptr
+// without a scale. The value is read by the kernels, never on the host.
+const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
+                        const std::optional<at::Tensor>& scale);
+
 // Checks a preallocated output for cast_with_stats.out: dtype, shape, device,
 // and that out overlaps neither itself nor x. (Autograd is refused by the
 // Autograd kernel, autograd.cpp.)
@@ -117,50 +123,62 @@ struct ChunkStats {
 // whose Backend::narrowing<From, Target>(x, y) writes y = cast(x) and returns
 // the stats; each backend registers these with its own Backend.
 
-// Only lossy pairs reach Backend::narrowing<Src, Target>(x, y, saturate):
+// What a lossy cast does beyond rounding: saturate (resolved), and the
+// scale's device address (nullptr: unscaled).
+struct CastOptions {
+  bool saturate;
+  const float* scale;
+};
+
+// Only lossy pairs reach Backend::narrowing<Src, Target>(x, y, options):
 // Src is the source's element type, or the Target naming a 16-bit source.
 template <typename Backend, typename Src>
-at::Tensor narrowing_to(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y, bool saturate) {
+at::Tensor narrowing_to(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y,
+                        const CastOptions& o) {
   switch (dtype) {
-    case at::kFloat: return Backend::template narrowing<Src, Float32Target>(x, y, saturate);
-    case at::kHalf: return Backend::template narrowing<Src, Float16Target>(x, y, saturate);
-    case at::kBFloat16: return Backend::template narrowing<Src, BFloat16Target>(x, y, saturate);
-    case at::kFloat8_e4m3fn: return Backend::template narrowing<Src, Float8E4M3FNTarget>(x, y, saturate);
-    default: return Backend::template narrowing<Src, Float8E5M2Target>(x, y, saturate);  // e5m2
+    case at::kFloat: return Backend::template narrowing<Src, Float32Target>(x, y, o);
+    case at::kHalf: return Backend::template narrowing<Src, Float16Target>(x, y, o);
+    case at::kBFloat16: return Backend::template narrowing<Src, BFloat16Target>(x, y, o);
+    case at::kFloat8_e4m3fn: return Backend::template narrowing<Src, Float8E4M3FNTarget>(x, y, o);
+    default: return Backend::template narrowing<Src, Float8E5M2Target>(x, y, o);  // e5m2
   }
 }
 
 template <typename Backend>
 at::Tensor cast_into(const at::Tensor& x, CastKind kind, at::ScalarType dtype,
-                     std::optional<bool> saturate, at::Tensor& y) {
+                     const float* scale, std::optional<bool> saturate, at::Tensor& y) {
   if (kind == CastKind::kExact) {
     y.copy_(x);
     return exact_cast_stats(x);
   }
-  const bool sat = resolve_saturate(saturate, dtype);
+  const CastOptions o{resolve_saturate(saturate, dtype), scale};
   switch (x.scalar_type()) {
-    case at::kDouble: return narrowing_to<Backend, double>(x, dtype, y, sat);
-    case at::kFloat: return narrowing_to<Backend, float>(x, dtype, y, sat);
-    case at::kHalf: return narrowing_to<Backend, Float16Target>(x, dtype, y, sat);
-    default: return narrowing_to<Backend, BFloat16Target>(x, dtype, y, sat);  // bfloat16
+    case at::kDouble: return narrowing_to<Backend, double>(x, dtype, y, o);
+    case at::kFloat: return narrowing_to<Backend, float>(x, dtype, y, o);
+    case at::kHalf: return narrowing_to<Backend, Float16Target>(x, dtype, y, o);
+    default: return narrowing_to<Backend, BFloat16Target>(x, dtype, y, o);  // bfloat16
   }
 }
 
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> cast_with_stats(const at::Tensor& x, at::ScalarType dtype,
+                                                   const std::optional<at::Tensor>& scale,
                                                    std::optional<bool> saturate) {
   const CastKind kind = classify_cast(x.scalar_type(), dtype);
+  const float* scale_ptr = scale_data(x, dtype, kind, scale);
   auto y = at::empty_like(x, x.options().dtype(dtype));
-  auto stats = cast_into<Backend>(x, kind, dtype, saturate, y);
+  auto stats = cast_into<Backend>(x, kind, dtype, scale_ptr, saturate, y);
   return {y, stats};
 }
 
 template <typename Backend>
 at::Tensor cast_with_stats_out(const at::Tensor& x, at::ScalarType dtype,
+                               const std::optional<at::Tensor>& scale,
                                std::optional<bool> saturate, at::Tensor& out) {
   const CastKind kind = classify_cast(x.scalar_type(), dtype);
+  const float* scale_ptr = scale_data(x, dtype, kind, scale);
   check_cast_out(x, dtype, out);
-  return cast_into<Backend>(x, kind, dtype, saturate, out);
+  return cast_into<Backend>(x, kind, dtype, scale_ptr, saturate, out);
 }
 
 }  // namespace torchcast

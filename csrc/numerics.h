@@ -332,11 +332,34 @@ struct SourceFormat<NarrowTarget<Bits>> {
   TC_HD static float widen(storage s) { return Bits::to_float(s); }
 };
 
+// x * scale for a scaled cast, rounded to odd in float64 (float_round_to_odd
+// one level up), so that rounding it to a narrower format equals one correct
+// rounding of the exact product. For a float32 x the product is exact (24 x
+// 24 bits); for a float64 x the product rounded to nearest is corrected by
+// its exact error (fma). An infinite or NaN product is returned as it is.
+TC_HD double scaled_to_odd(float x, float scale) {
+  return static_cast<double>(x) * static_cast<double>(scale);
+}
+
+TC_HD double scaled_to_odd(double x, float scale) {
+  const double s = scale;
+  const double p = x * s;
+  const double e = fma(x, s, -p);
+  const uint64_t u = bit_cast<uint64_t>(p);
+  // Toward zero: one ulp down in magnitude where the exact product is smaller.
+  const uint64_t toward_zero = (e < 0.0) != (p < 0.0) ? u - 1u : u;
+  const bool inexact = e != 0.0 && (p - p) == 0.0;
+  return inexact ? bit_cast<double>(toward_zero | 1u) : p;
+}
+
 // ---------------------------------------------------------------------------
 // What one element contributes to the statistics. The error terms are over
 // finite x whose y is finite; the relative error also needs x != 0.
 // saturate: x beyond the target's range (rounding past its largest finite
 // value, or +-inf) becomes that largest value, with x's sign.
+// A scaled cast rounds x * scale (scaled_to_odd) and measures y / scale
+// (rounded once, in From: exact for a power-of-two scale) against x; its
+// overflow, saturation, underflow and subnormal results are y's.
 template <typename Target, typename From>
 struct ElementMeasure {
   typename Target::storage y;
@@ -344,24 +367,40 @@ struct ElementMeasure {
   From abs_err, rel_err, amax;
   From sq_err, sq;  // the terms of the sums: (x - y)^2 and x^2, over the measured elements
 
+  // y = round(x).
   TC_HD ElementMeasure(From x, bool saturate) {
+    const typename Target::storage rounded = Target::round(x);
+    const From back = static_cast<From>(Target::widen(rounded));
+    // Beyond the range: x is +-inf, or finite and rounded to inf/NaN.
+    measure<false>(x, rounded, x == x && (back - back) != From(0), saturate, 1.f);
+  }
+
+  // y = round(x * scale).
+  TC_HD ElementMeasure(From x, bool saturate, float scale) {
+    const double xs = scaled_to_odd(x, scale);
+    const typename Target::storage rounded = Target::round(xs);
+    const float back = Target::widen(rounded);
+    measure<true>(x, rounded, xs == xs && (back - back) != 0.f, saturate, scale);
+  }
+
+ private:
+  template <bool kScaled>
+  TC_HD void measure(From x, typename Target::storage rounded, bool beyond, bool saturate,
+                     float scale) {
     // x - x is 0 exactly for finite x and NaN for inf/NaN: a branch-free test.
     const bool x_finite = (x - x) == From(0);
-    const typename Target::storage rounded = Target::round(x);
-    const From rounded_back = static_cast<From>(Target::widen(rounded));
-    // Beyond the range: x is +-inf, or finite and rounded to inf/NaN.
-    const bool beyond = x == x && (rounded_back - rounded_back) != From(0);
     saturated = saturate && beyond;
     y = saturated ? Target::largest(x < From(0)) : rounded;
-    const From back = saturated ? static_cast<From>(Target::widen(y)) : rounded_back;
-    const bool y_finite = (back - back) == From(0);
+    const float yw = Target::widen(y);
+    const From back = kScaled ? static_cast<From>(yw) / static_cast<From>(scale) : static_cast<From>(yw);
+    const bool y_finite = (yw - yw) == 0.f;
     const bool measured = x_finite && y_finite;
     nan = x != x;
     inf = x == x && !x_finite;
     inexact = x_finite && back != x;
     overflow = x_finite && !y_finite;
-    underflow = x != From(0) && back == From(0);
-    subnormal = back != From(0) && fabs(back) < From(Target::min_normal);
+    underflow = x != From(0) && yw == 0.f;
+    subnormal = yw != 0.f && fabsf(yw) < Target::min_normal;
     amax = x_finite ? fabs(x) : From(0);
     // x - back is exact where back is x rounded to a narrower format; a
     // saturated x may be far from back, and then it is rounded once.

@@ -162,10 +162,12 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(torchcast, m) {
-  // saturate: None does what x.to(dtype) does (resolve_saturate, cast_common.h).
-  m.def("cast_with_stats(Tensor x, ScalarType dtype, *, bool? saturate=None) -> (Tensor y, Tensor stats)");
-  m.def("cast_with_stats.out(Tensor x, ScalarType dtype, *, bool? saturate=None, Tensor(a!) out) "
-        "-> Tensor stats");
+  // scale: y = round(x * scale); saturate: None does what x.to(dtype) does
+  // (scale_data, resolve_saturate: cast_common.h).
+  m.def("cast_with_stats(Tensor x, ScalarType dtype, Tensor? scale=None, *, bool? saturate=None) "
+        "-> (Tensor y, Tensor stats)");
+  m.def("cast_with_stats.out(Tensor x, ScalarType dtype, Tensor? scale=None, *, "
+        "bool? saturate=None, Tensor(a!) out) -> Tensor stats");
 
   // adam_step_ (torchcast.optim): steps every tensor of one dtype group in
   // place, state counts included.

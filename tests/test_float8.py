@@ -12,7 +12,7 @@ import torch
 import torchcast
 from torchcast.stats import CastStats
 
-from numpy_ref import LARGEST, round_to_format, stats_reference
+from numpy_ref import FORMATS, LARGEST, round_to_format, stats_of_values, stats_reference, to_numpy64
 
 OP = torch.ops.torchcast.cast_with_stats
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -270,3 +270,175 @@ def test_tracker_measures_float8_and_flags_inf_to_448():
     assert widen.inexact == 0 and widen.inf == 1
     assert "2 saturated (1 of them ±inf)" in rows[(torch.float32, torch.float8_e4m3fn)].violations()
     assert "saturated (1 of them ±inf)" in report.table()
+
+
+# --- scaled casts -----------------------------------------------------------
+
+def exact_round(q, dtype, saturate):
+    """The correct rounding (ties to even) of the exact rational q to dtype,
+    from Fraction arithmetic alone: an independent reference for scaled
+    casts of float64 x, whose products float64 cannot hold."""
+    from fractions import Fraction
+    mant, emin, _ = FORMATS[dtype]
+    if q == 0:
+        return 0.0
+    a = abs(q)
+    e = math.frexp(float(a))[1] - 1  # float(a) may round up to 2^(e+1): fixed below
+    if Fraction(2) ** e > a:
+        e -= 1
+    quantum = Fraction(2) ** (max(e, emin) - mant)
+    n, r = divmod(a / quantum, 1)
+    n = int(n) + (1 if r > Fraction(1, 2) or (r == Fraction(1, 2) and int(n) % 2) else 0)
+    v = float(n * quantum)
+    if v > LARGEST[dtype]:
+        v = LARGEST[dtype] if saturate else (math.nan if dtype == torch.float8_e4m3fn else math.inf)
+    return math.copysign(v, q)
+
+
+@pytest.mark.parametrize("dst", FLOAT8 + (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("scale", [3.7, 0.001, 1 / 3, 2.0 ** -7, 1e10])
+def test_scaled_float64_rounds_the_exact_product_once(dst, scale):
+    """float64 x * a float32 scale, rounded once: against Fraction arithmetic
+    on values whose float64 product lands on or next to a rounding midpoint
+    (where rounding the product to float64 first would be wrong)."""
+    from fractions import Fraction
+    s = torch.tensor(scale, dtype=torch.float32)
+    sf = Fraction(s.item())
+    mant, emin, _ = FORMATS[dst]
+    g = np.random.default_rng(7)
+    grid = every_float8_value(torch.float8_e5m2).double().numpy()  # a spread of magnitudes
+    grid = grid[np.isfinite(grid) & (grid > 0)]
+    mids = []
+    for v in g.choice(grid, 64) * 2.0 ** g.integers(-4, 5, 64):
+        e = math.frexp(v)[1] - 1
+        mid = v + 2.0 ** (max(e, emin) - mant - 1)  # a midpoint of dst at v's binade
+        x = float(Fraction(mid) / sf)  # x * scale within a float64 rounding of the midpoint
+        mids += [x, np.nextafter(x, math.inf), np.nextafter(x, -math.inf)]
+    x = torch.tensor(mids + [-m for m in mids], dtype=torch.float64)
+    for saturate in (False, True):
+        y, _ = OP(x, dst, scale=s, saturate=saturate)
+        expected = np.array([exact_round(Fraction(v) * sf, dst, saturate) for v in x.tolist()])
+        assert_same_values(y, expected)
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+def test_scaled_narrow_sources_match_ml_dtypes_on_the_exact_product(src, dst):
+    """float32 and 16-bit x times a float32 scale is exact in float64, where
+    ml_dtypes rounds it once: every 16-bit value, or random float32 ones."""
+    if src == torch.float32:
+        x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 50
+    else:
+        x = every_16bit_value(src)
+    for scale in (0.37, 2.0 ** -5, 11.0):
+        s = torch.tensor(scale, dtype=torch.float32)
+        exact = (to_numpy(x).astype(np.float64) * np.float64(s.item()))
+        for sat in (False, True):
+            y, _ = OP(x, dst, scale=s, saturate=sat)
+            with np.errstate(over="ignore", invalid="ignore"):
+                expected = exact.astype(NP[dst]).astype(np.float64)
+            if sat:
+                beyond = ~np.isnan(exact) & ~np.isfinite(expected)
+                expected = np.where(beyond, np.copysign(LARGEST[dst], exact), expected)
+            assert_same_values(y, expected)
+
+
+@pytest.mark.parametrize("src", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+def test_scaled_stats_are_exact_for_power_of_two_scales(src, dst):
+    """With a power-of-two scale, x * scale and y / scale are exact: the
+    stats of the scaled cast equal numpy's of casting x * scale, measured
+    against x (errors divided by the scale)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(50_000, dtype=torch.float64, generator=g) * torch.exp2(
+        torch.randint(-12, 12, (50_000,), generator=g).double())).to(src)
+    x[::997] = math.inf
+    x[::1009] = math.nan
+    for k in (-3, 0, 6):
+        s = torch.tensor(2.0 ** k)
+        for sat in (False, True):
+            _, stats = OP(x, dst, scale=s, saturate=sat)
+            got = CastStats.from_tensor(stats)
+            ref = stats_reference((x.double() * 2.0 ** k), dst, sat)
+            xs = to_numpy64(x)
+            ys = ref["y"] / 2.0 ** k  # y / scale: exact
+            want = stats_of_values(xs, ys, src, 0.0, ref["saturated"])
+            for name in ("numel", "nan", "inf", "inexact", "overflow", "saturated", "underflow",
+                         "max_abs_err", "max_rel_err", "amax"):
+                assert getattr(got, name) == want[name], (k, sat, name)
+            assert (got.subnormal, got.underflow) == (ref["subnormal"], ref["underflow"])
+            for name in ("sum_abs_err", "sum_sq_err", "sum_sq"):
+                assert getattr(got, name) == pytest.approx(want[name], rel=1e-6, abs=1e-300)
+
+
+def test_scaled_cast_gradient_is_scale_times_incoming():
+    x = torch.tensor([0.3, -2.0, 1e6], dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(0.25)
+    y, _ = OP(x, torch.float8_e4m3fn, scale=s)
+    (y.double() * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
+    assert x.grad.dtype == torch.float64 and x.grad.tolist() == [0.25, 0.5, 0.75]
+    xh = x.detach().half().requires_grad_()
+    y, _ = torchcast.cast_with_stats(xh, torch.float8_e5m2, scale=s)
+    y.float().sum().backward()
+    assert xh.grad.dtype == torch.float16 and xh.grad.tolist() == [0.25] * 3
+
+
+def test_scaled_cast_opcheck_and_compile():
+    x = torch.randn(33, 7) * 100
+    s = torch.tensor(1.5)
+    torch.library.opcheck(OP.default, (x, torch.float16, s))
+    torch.library.opcheck(OP.default, (x, torch.float8_e4m3fn, s),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+    def f(x, s):
+        return torch.ops.torchcast.cast_with_stats(x, torch.float8_e4m3fn, s)
+
+    y1, s1 = f(x, s)
+    y2, s2 = torch.compile(f, fullgraph=True, dynamic=True)(x, s)
+    assert torch.equal(s1, s2) and torch.equal(y1.view(torch.uint8), y2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.tensor(2.0, dtype=torch.float64), "one-element float32"),
+    (torch.ones(2), "one-element float32"),
+    (torch.tensor(2.0, device="meta"), "scale is on meta but x is on cpu"),
+])
+def test_bad_scales_named_with_the_fix(bad, match):
+    x = torch.ones(4)
+    for cast in (OP, torchcast._reference.cast.cast_with_stats):
+        with pytest.raises(RuntimeError, match=match):
+            cast(x, torch.float8_e4m3fn, scale=bad)
+    with pytest.raises(RuntimeError, match="scale applies to lossy casts"):
+        OP(x, torch.float64, scale=torch.tensor(2.0))
+    out = torch.full((4,), 7.0, dtype=torch.float16)
+    with pytest.raises(RuntimeError):
+        OP.out(x, torch.float16, bad, out=out)
+    assert (out == 7).all()  # nothing written
+
+
+def test_safe_to_amax_scaling():
+    """scale="amax" maps x's largest finite magnitude onto 448 (computed on
+    the device: no host read), "amax_pow2" onto the power of two below; the
+    scale comes back from last_scale(), and y / scale reads x back."""
+    x = torch.randn(1000, dtype=torch.float32) * 3
+    x[5] = math.inf
+    amax = x[torch.isfinite(x)].abs().max()
+    y = torchcast.safe_to(x, torch.float8_e4m3fn, scale="amax", policy="ignore")
+    s = torchcast.last_scale()
+    assert s.dtype == torch.float32 and s.shape == ()
+    assert s.item() == np.float32(448.0 / np.float64(amax.item()))
+    assert y.float()[torch.isfinite(x)].abs().max().item() == 448.0
+    assert torchcast.last_stats().amax == amax.item() and torchcast.last_stats().saturated == 1
+    y2 = torchcast.safe_to(x, torch.float8_e4m3fn, scale="amax_pow2", policy="ignore")
+    s2 = torchcast.last_scale()
+    assert math.log2(s2.item()).is_integer() and s2.item() <= s.item() < 2 * s2.item()
+    # torchao's composite recipe (amax, scale, multiply, saturating cast) gives the same bits
+    # where the product is exact: a power-of-two scale.
+    assert torch.equal(y2.view(torch.uint8), (x * s2).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(torchcast.scaling.amax_scale(x, torch.float8_e4m3fn, power_of_two=True), s2)
+    torchcast.safe_to(x, torch.float16, policy="ignore")
+    assert torchcast.last_scale() is None
+    with pytest.raises(ValueError, match="'amax', 'amax_pow2'"):
+        torchcast.safe_to(x, torch.float8_e4m3fn, scale="max")
+    with pytest.raises(TypeError, match="scale applies to floating targets"):
+        torchcast.safe_to(x, torch.int8, scale="amax")

@@ -2,18 +2,19 @@
 from . import _ops  # loads the compiled kernels and registers the ops
 from . import nn
 from . import optim
+from . import scaling
 from .reduce import kahan_mean, kahan_sum
 from .cast import (
-    PrecisionLossError, PrecisionWarning, cast_with_stats, get_policy, last_stats, policy,
-    safe_to, set_policy,
+    PrecisionLossError, PrecisionWarning, cast_with_stats, get_policy, last_scale, last_stats,
+    policy, safe_to, set_policy,
 )
 from .stats import CastStats
 from .health import TensorHealth, tensor_health
 
 __all__ = [
     "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
-    "kahan_mean", "kahan_sum", "last_stats", "nn", "optim", "policy", "safe_to", "set_policy",
-    "TensorHealth", "tensor_health",
+    "kahan_mean", "kahan_sum", "last_scale", "last_stats", "nn", "optim", "policy", "safe_to",
+    "scaling", "set_policy", "TensorHealth", "tensor_health",
 ]
 
 # track() records the casts a program makes; audit() checks a model's casts with it.

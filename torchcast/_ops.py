@@ -57,14 +57,14 @@ def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
 # cast_with_stats
 
 @torch.library.register_fake("torchcast::cast_with_stats")
-def _cast_with_stats_fake(x, dtype, *, saturate=None):
-    cast_reference.classify_cast(x.dtype, dtype)
+def _cast_with_stats_fake(x, dtype, scale=None, *, saturate=None):
+    cast_reference.check_scale(x, dtype, cast_reference.classify_cast(x.dtype, dtype), scale)
     return torch.empty_like(x, dtype=dtype), x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
 
 @torch.library.register_fake("torchcast::cast_with_stats.out")
-def _cast_with_stats_out_fake(x, dtype, *, saturate=None, out):
-    cast_reference.classify_cast(x.dtype, dtype)
+def _cast_with_stats_out_fake(x, dtype, scale=None, *, saturate=None, out):
+    cast_reference.check_scale(x, dtype, cast_reference.classify_cast(x.dtype, dtype), scale)
     cast_reference.check_out_devices(x, out)
     return x.new_empty(len(STAT_FIELDS), dtype=torch.float64)
 
@@ -96,30 +96,35 @@ def _warn_fallback(device, stacklevel=3):
             RuntimeWarning, stacklevel=stacklevel)
 
 
-def cast_with_stats(x, dtype, out=None, saturate=None):
+def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
     if not has_kernel("cast_with_stats", x.device):
         _warn_fallback(x.device)
         if x.requires_grad and torch.is_grad_enabled() and out is None:
-            y, stats = cast_reference.cast_with_stats(x.detach(), dtype, saturate=saturate)
-            return _FallbackCast.apply(x, y), stats
-        return cast_reference.cast_with_stats(x, dtype, out, saturate)
+            y, stats = cast_reference.cast_with_stats(x.detach(), dtype, saturate=saturate,
+                                                      scale=scale)
+            return _FallbackCast.apply(x, y, scale), stats
+        return cast_reference.cast_with_stats(x, dtype, out, saturate, scale)
     if out is not None:
-        return out, _ops.cast_with_stats.out(x, dtype, saturate=saturate, out=out)
-    return _ops.cast_with_stats(x, dtype, saturate=saturate)
+        return out, _ops.cast_with_stats.out(x, dtype, scale=scale, saturate=saturate, out=out)
+    return _ops.cast_with_stats(x, dtype, scale=scale, saturate=saturate)
 
 
 class _FallbackCast(torch.autograd.Function):
-    """Attaches the cast's identity derivative to a y computed without autograd."""
+    """Attaches the cast's derivative (the identity, times scale for a scaled
+    cast) to a y computed without autograd."""
 
     @staticmethod
-    def forward(ctx, x, y):
+    def forward(ctx, x, y, scale):
         ctx.src_dtype = x.dtype
+        ctx.save_for_backward(scale)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        return grad_y.to(ctx.src_dtype), None
+        scale, = ctx.saved_tensors
+        grad = grad_y.to(ctx.src_dtype)
+        return (grad if scale is None else grad * scale.reshape(()).to(ctx.src_dtype)), None, None
 
 
 # ---------------------------------------------------------------------------

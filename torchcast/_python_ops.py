@@ -45,14 +45,14 @@ def _warn_once():
             "compiled kernels.", RuntimeWarning, stacklevel=_user_stacklevel())
 
 
-def _cast_with_stats(x, dtype, *, saturate=None):
+def _cast_with_stats(x, dtype, scale=None, *, saturate=None):
     _warn_once()
-    return cast_reference.cast_with_stats(x, dtype, saturate=saturate)
+    return cast_reference.cast_with_stats(x, dtype, saturate=saturate, scale=scale)
 
 
-def _cast_with_stats_out(x, dtype, *, saturate=None, out):
+def _cast_with_stats_out(x, dtype, scale=None, *, saturate=None, out):
     _warn_once()
-    return cast_reference.cast_with_stats(x, dtype, out, saturate)[1]
+    return cast_reference.cast_with_stats(x, dtype, out, saturate, scale)[1]
 
 
 def _adam_step_(*lists, **kwargs):
@@ -91,13 +91,17 @@ for _name, _schema in SCHEMAS.items():
 
 def _cast_setup_context(ctx, inputs, output):
     ctx.src_dtype = inputs[0].dtype
+    ctx.save_for_backward(inputs[2] if len(inputs) > 2 else None)
     ctx.mark_non_differentiable(output[1])
 
 
 def _cast_backward(ctx, grad_y, grad_stats):
-    # The cast's derivative is the identity; the gradient comes back in x's
-    # dtype (as the C++ autograd kernel of the compiled build).
-    return grad_y.to(ctx.src_dtype), None
+    # The cast's derivative is the identity (times scale for a scaled cast);
+    # the gradient comes back in x's dtype (as the C++ autograd kernel of the
+    # compiled build).
+    scale, = ctx.saved_tensors
+    grad = grad_y.to(ctx.src_dtype)
+    return (grad if scale is None else grad * scale.reshape(()).to(ctx.src_dtype)), None, None
 
 
 torch.library.register_autograd("torchcast::cast_with_stats", _cast_backward,

@@ -10,10 +10,11 @@ _ADAM_ARGS = (
     "Tensor? found_inf=None) -> ()")
 
 SCHEMAS = {
-    "cast_with_stats": "cast_with_stats(Tensor x, ScalarType dtype, *, bool? saturate=None) "
-                       "-> (Tensor y, Tensor stats)",
-    "cast_with_stats.out": "cast_with_stats.out(Tensor x, ScalarType dtype, *, "
-                           "bool? saturate=None, Tensor(a!) out) -> Tensor stats",
+    "cast_with_stats": "cast_with_stats(Tensor x, ScalarType dtype, Tensor? scale=None, *, "
+                       "bool? saturate=None) -> (Tensor y, Tensor stats)",
+    "cast_with_stats.out": "cast_with_stats.out(Tensor x, ScalarType dtype, Tensor? scale=None, *, "
+                           "bool? saturate=None, Tensor(a!) out) "
+                           "-> Tensor stats",
     "adam_step_": "adam_step_" + _ADAM_ARGS.format(lr="float lr"),
     "adam_step_.tensor_lr": "adam_step_.tensor_lr" + _ADAM_ARGS.format(lr="Tensor lr"),
     "kahan_sum": "kahan_sum(Tensor x, int[1]? dim=None, bool keepdim=False, *, "

@@ -4,12 +4,13 @@ import contextlib
 import numbers
 import threading
 import warnings
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
 from . import _ops
 from ._inputs import check_input
+from .scaling import resolve_scale
 from .stats import CastStats, PendingStats, stats_tensor
 from .violations import STRICT, Violations
 
@@ -112,6 +113,20 @@ def policy(name: str) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+def last_scale() -> Optional[torch.Tensor]:
+    """The scale of the latest ``safe_to`` call in this thread: the 0-d
+    float32 tensor y was computed with (``y = round(x * scale)``, so
+    ``y.float() / scale`` reads it back; ``torch._scaled_mm`` wants
+    ``scale.reciprocal()``), still on the device.
+
+    Returns:
+        Tensor or None: None when that call was unscaled, and before the
+        thread's first ``safe_to``. Calls traced by torch.compile do not
+        count.
+    """
+    return getattr(_local, "scale", None)
 
 
 def last_stats() -> Optional[CastStats]:
@@ -378,6 +393,7 @@ def _act(pol, message, stats):
 def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             policy: Optional[str] = None, rtol: Optional[float] = None,
             atol: Optional[float] = None, name: Optional[str] = None,
+            scale: Union[None, str, torch.Tensor] = None,
             saturate: Optional[bool] = None) -> torch.Tensor:
     """``x.to(dtype)`` that measures what the cast loses, in the same pass,
     and applies a policy to it.
@@ -433,6 +449,14 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             ``safe_to(name)`` heads the warning or error, and
             ``torchcast.track()`` reports the cast under this name beside
             its source line. Default: None (messages say ``safe_to``).
+        scale (Tensor or str, optional): cast ``x * scale`` (rounded once)
+            and measure ``y / scale`` against x: a one-element float32 tensor
+            on x's device, or "amax" (``torchcast.scaling.amax_scale``: x's
+            largest finite magnitude onto dtype's largest value, computed on
+            the device) or "amax_pow2" (the same rounded down to a power of
+            two, so that only y's rounding loses anything). The scale used is
+            ``torchcast.last_scale()``. Lossy floating casts only. Default:
+            None (unscaled).
         saturate (bool, optional): values beyond ``dtype``'s range (+-inf
             included) become its +-largest finite value (counted as
             ``saturated``) instead of the format's overflow (inf, or NaN for
@@ -440,7 +464,8 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             saturates float8_e4m3fn (so inf becomes 448) and nothing else.
 
     Returns:
-        Tensor: x cast to ``dtype``; x itself when it already has ``dtype``.
+        Tensor: x cast to ``dtype`` (scaled by ``scale``); x itself when it
+        already has ``dtype``.
 
     Raises:
         TypeError: x is not a Tensor, or a sparse, quantized or nested tensor,
@@ -450,7 +475,8 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             dtype);
             ``dtype`` is not a torch.dtype, or None outside autocast; rtol,
             atol or name is of the wrong type.
-        ValueError: an unknown policy, or rtol/atol negative or NaN.
+        ValueError: an unknown policy, rtol/atol negative or NaN, or an
+            unknown scale recipe.
         PrecisionLossError: a violation under policy "raise".
 
     Warns:
@@ -481,27 +507,31 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
                         f"{type(saturate).__name__} ({saturate!r})")
     compiling = torch.compiler.is_compiling()
 
-    if x.dtype == dtype:
+    if x.dtype == dtype and scale is None:
         if not compiling:
             _local.last = PendingStats.known(CastStats(dtype, dtype, numel=x.numel()))
+            _local.scale = None
         return x
     if not (dtype.is_floating_point or dtype.is_complex) and x.is_floating_point():
-        if saturate is not None:
-            raise TypeError(f"torchcast.safe_to: saturate applies to floating targets; the cast "
-                            f"to {dtype} has no largest finite value to clamp to. Drop saturate "
-                            "(or clamp x first)")
+        for arg, value in (("saturate", saturate), ("scale", scale)):
+            if value is not None:
+                raise TypeError(f"torchcast.safe_to: {arg} applies to floating targets, not to "
+                                f"the cast to {dtype}. Drop {arg} (or clamp and scale x first)")
         if x.requires_grad and pol in ("warn", "raise") and not compiling:
             _act(pol, graph_cut_message(_describe(name), x.dtype, dtype), None)
         y = x.to(dtype)
         if compiling:
             return y
         stats = _integer_cast_stats(x, dtype)
+        scale = None
     else:
-        y, stats = _ops.cast_with_stats(x, dtype, saturate=saturate)
+        scale = resolve_scale(x, dtype, scale, "torchcast.safe_to")
+        y, stats = _ops.cast_with_stats(x, dtype, saturate=saturate, scale=scale)
         if compiling:
             return y
     pending = PendingStats(stats, x.dtype, dtype)
     _local.last = pending
+    _local.scale = scale
     if pol == "ignore":
         return y
     for record in recorders():
@@ -514,7 +544,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
 
 
 def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
-                    out: Optional[torch.Tensor] = None,
+                    out: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
                     saturate: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused cast: ``x.to(dtype)``, correctly rounded, and the statistics
     of what it lost, both computed in one pass on x's device, with no host
@@ -532,6 +562,11 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
             between these dtypes (exact).
         out (Tensor, optional): the output tensor for y, of x's shape and
             dtype ``dtype``, on x's device.
+        scale (Tensor, optional): a one-element float32 tensor on x's
+            device: y = round(x * scale), rounded once, and the stats measure
+            ``y / scale`` against x (the gradient is scale times y's).
+            ``torchcast.scaling.amax_scale`` computes the usual one. Lossy
+            casts only. Default: None (unscaled).
         saturate (bool, optional): as for ``safe_to``: True clamps values
             beyond dtype's range (+-inf included) to its +-largest finite
             value; False gives the format's overflow (inf; NaN for
@@ -555,7 +590,7 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
     if saturate is not None and not isinstance(saturate, bool):
         raise TypeError(f"torchcast.cast_with_stats: saturate must be a bool or None, got "
                         f"{type(saturate).__name__} ({saturate!r})")
-    return _ops.cast_with_stats(x, dtype, out=out, saturate=saturate)
+    return _ops.cast_with_stats(x, dtype, out=out, saturate=saturate, scale=scale)
 
 
 __all__ = [

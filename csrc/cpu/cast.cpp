@@ -38,13 +38,14 @@ bool use_avx512() {
 }
 
 // The portable loop: n <= kLanes - lane contiguous elements into lanes
-// [lane, lane + n), one ElementMeasure each. Counters are local and as wide
-// as the source, and the maxima kept per lane, so that the loop vectorizes.
-template <typename Src, typename Target>
+// [lane, lane + n), one ElementMeasure each (of x * scale with kScaled).
+// Counters are local and as wide as the source, and the maxima kept per
+// lane, so that the loop vectorizes.
+template <typename Src, typename Target, bool kScaled>
 TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
                                 const typename SourceFormat<Src>::storage* __restrict__ x,
                                 typename Target::storage* __restrict__ y, int lane, int n,
-                                bool saturate) {
+                                bool saturate, float scale) {
   using Format = SourceFormat<Src>;
   using Wide = typename Format::wide;
   using Count = std::conditional_t<sizeof(Wide) == 8, int64_t, int32_t>;
@@ -53,7 +54,8 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
   Wide* __restrict__ amax = st->amax + lane;
   CastCounts<Count> counts;
   for (int j = 0; j < n; ++j) {
-    const ElementMeasure<Target, Wide> m(Format::widen(x[j]), saturate);
+    const auto m = kScaled ? ElementMeasure<Target, Wide>(Format::widen(x[j]), saturate, scale)
+                           : ElementMeasure<Target, Wide>(Format::widen(x[j]), saturate);
     y[j] = m.y;
     counts.add(m);
     if constexpr (std::is_same<Wide, double>::value) {
@@ -74,7 +76,8 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
 }
 
 // Whether the AVX-512 loop (cast_avx512.h) covers the pair: float32 and
-// float64 sources to float32, float16 and bfloat16, without saturation.
+// float64 sources to float32, float16 and bfloat16, unscaled and without
+// saturation.
 template <typename Src, typename Target>
 constexpr bool kHasAvx512Loop =
     (std::is_same<Src, float>::value || std::is_same<Src, double>::value) &&
@@ -89,18 +92,23 @@ struct CastCpu {
   static constexpr int kLanes = State::kLanes;
 
   // n contiguous elements, the first in lane `lane`.
-  static void run(State* st, const From* x, Storage* y, int lane, int64_t n, bool saturate) {
+  static void run(State* st, const From* x, Storage* y, int lane, int64_t n, const CastOptions& o) {
 #ifdef TORCHCAST_HAVE_AVX512
     if constexpr (kHasAvx512Loop<Src, Target>) {
-      if (use_avx512() && !saturate) {
+      if (use_avx512() && !o.saturate && o.scale == nullptr) {
         cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n);
         return;
       }
     }
 #endif
+    const float scale = o.scale != nullptr ? *o.scale : 1.f;
     while (n > 0) {
       const int k = static_cast<int>(std::min<int64_t>(n, kLanes - lane));
-      portable_run<Src, Target>(st, x, y, lane, k, saturate);
+      if (o.scale != nullptr) {
+        portable_run<Src, Target, true>(st, x, y, lane, k, o.saturate, scale);
+      } else {
+        portable_run<Src, Target, false>(st, x, y, lane, k, o.saturate, scale);
+      }
       x += k;
       y += k;
       n -= k;
@@ -110,14 +118,14 @@ struct CastCpu {
 
   // n elements at strides sx, sy (in elements), through contiguous buffers.
   static void run_strided(State* st, const From* x, int64_t sx, Storage* y, int64_t sy, int lane,
-                          int64_t n, bool saturate) {
+                          int64_t n, const CastOptions& o) {
     constexpr int kBuffer = 1024;
     alignas(64) From xb[kBuffer];
     alignas(64) Storage yb[kBuffer];
     for (int64_t done = 0; done < n;) {
       const int k = static_cast<int>(std::min<int64_t>(kBuffer, n - done));
       for (int i = 0; i < k; ++i) xb[i] = x[(done + i) * sx];
-      run(st, xb, yb, lane, k, saturate);
+      run(st, xb, yb, lane, k, o);
       for (int i = 0; i < k; ++i) y[(done + i) * sy] = yb[i];
       lane = static_cast<int>((lane + k) % kLanes);
       done += k;
@@ -193,7 +201,7 @@ struct CastCpu {
     return partials;
   }
 
-  static at::Tensor cast(const at::Tensor& x, at::Tensor& y, bool saturate) {
+  static at::Tensor cast(const at::Tensor& x, at::Tensor& y, const CastOptions& o) {
     const int64_t numel = x.numel();
     // Dense tensors laid out alike: TensorIterator's order is memory order.
     if (x.is_non_overlapping_and_dense() && y.is_non_overlapping_and_dense() &&
@@ -204,7 +212,7 @@ struct CastCpu {
       Storage* yp = reinterpret_cast<Storage*>(y.data_ptr());
       return over_chunks(numel, [&](State* st, int64_t c) {
                    const int64_t begin = c * kChunk;
-                   run(st, xp + begin, yp + begin, 0, std::min(numel - begin, kChunk), saturate);
+                   run(st, xp + begin, yp + begin, 0, std::min(numel - begin, kChunk), o);
                  })
           .stats(x, numel);
     }
@@ -219,9 +227,9 @@ struct CastCpu {
                  auto* xp = reinterpret_cast<const From*>(data[1] + r * strides[3]);
                  const int lane = static_cast<int>(pos % kLanes);
                  if (sx == 1 && sy == 1) {
-                   run(st, xp, yp, lane, size0, saturate);
+                   run(st, xp, yp, lane, size0, o);
                  } else {
-                   run_strided(st, xp, sx, yp, sy, lane, size0, saturate);
+                   run_strided(st, xp, sx, yp, sy, lane, size0, o);
                  }
                  pos += size0;
                }
@@ -234,8 +242,8 @@ struct CastCpu {
 
 struct CpuCast {
   template <typename Src, typename Target>
-  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y, bool saturate) {
-    return CastCpu<Src, Target>::cast(x, y, saturate);
+  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y, const CastOptions& o) {
+    return CastCpu<Src, Target>::cast(x, y, o);
   }
 };
 

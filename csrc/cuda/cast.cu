@@ -44,14 +44,20 @@ struct ThreadStats {
   // At most kChunk / kBlockThreads elements per thread and chunk.
   CastCounts<int32_t> counts;
   Wide max_abs = 0, max_rel = 0, amax = 0;
-  bool saturate;
+  bool saturate, scaled;
+  float scale;
 
-  __device__ __forceinline__ explicit ThreadStats(bool saturate_) : saturate(saturate_) {}
+  // scale: the scale's device address, nullptr for an unscaled cast (a
+  // branch that is uniform across the grid).
+  __device__ __forceinline__ ThreadStats(bool saturate_, const float* scale_)
+      : saturate(saturate_), scaled(scale_ != nullptr), scale(scale_ != nullptr ? *scale_ : 1.f) {}
 
   // Measures x into lane v (a compile-time index after unrolling, so that the
   // lanes stay in registers) and returns the rounded value.
   __device__ __forceinline__ typename Target::storage add(int v, typename Format::storage x) {
-    const ElementMeasure<Target, Wide> m(Format::widen(x), saturate);
+    const Wide w = Format::widen(x);
+    const auto m = scaled ? ElementMeasure<Target, Wide>(w, saturate, scale)
+                          : ElementMeasure<Target, Wide>(w, saturate);
     counts.add(m);
     lane[v].add(m.abs_err, m.sq_err, m.sq);
     max_abs = m.abs_err > max_abs ? m.abs_err : max_abs;
@@ -165,7 +171,7 @@ template <typename Src, typename Target, typename Offsets, bool kVector,
           typename Wide = typename SourceFormat<Src>::wide>
 __global__ void __launch_bounds__(kBlockThreads)
     cast_stats_kernel(const From* __restrict__ x, typename Target::storage* __restrict__ y,
-                      Offsets offsets, int64_t numel, bool saturate,
+                      Offsets offsets, int64_t numel, CastOptions options,
                       ChunkStats<Wide>* __restrict__ partials) {
   ChunkStats<Wide>* smem = shared_scratch<ChunkStats<Wide>>();
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
@@ -173,7 +179,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t base = c * kChunk;
     const int64_t rest = numel - base;  // std::min would take kChunk by reference: host-only
     const int n = static_cast<int>(rest < kChunk ? rest : kChunk);
-    ThreadStats<Src, Target> st(saturate);
+    ThreadStats<Src, Target> st(options.saturate, options.scale);
     int done = 0;
     if constexpr (kVector) done = vector_steps(st, x + base, y + base, n);
     scalar_steps(st, x, y, offsets, base, done, n);
@@ -198,7 +204,8 @@ template <typename Src, typename Target, typename Offsets, bool kVector,
           typename From = typename SourceFormat<Src>::storage,
           typename Wide = typename SourceFormat<Src>::wide>
 void launch_cast(const From* x, typename Target::storage* y, const Offsets& offsets,
-                 int64_t numel, bool saturate, ChunkStats<Wide>* partials, cudaStream_t stream) {
+                 int64_t numel, const CastOptions& options, ChunkStats<Wide>* partials,
+                 cudaStream_t stream) {
   const auto kernel = cast_stats_kernel<Src, Target, Offsets, kVector>;
   // Residency depends only on the kernel and the architecture; cached once
   // per kernel (a mixed-architecture machine would get a suboptimal grid
@@ -216,7 +223,7 @@ void launch_cast(const From* x, typename Target::storage* y, const Offsets& offs
   // the chunks in that many rounds, so every block does the same work (+-1).
   const int64_t rounds = (nchunks + resident - 1) / resident;
   const int64_t grid = (nchunks + rounds - 1) / rounds;
-  kernel<<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(x, y, offsets, numel, saturate,
+  kernel<<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(x, y, offsets, numel, options,
                                                                      partials);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -224,7 +231,7 @@ void launch_cast(const From* x, typename Target::storage* y, const Offsets& offs
 // The backend of cast_with_stats<> (cast_common.h).
 struct CudaCast {
   template <typename Src, typename Target>
-  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y, bool saturate) {
+  static at::Tensor narrowing(const at::Tensor& x, at::Tensor& y, const CastOptions& options) {
     using From = typename SourceFormat<Src>::storage;
     using Partial = ChunkStats<typename SourceFormat<Src>::wide>;
     using Storage = typename Target::storage;
@@ -249,16 +256,16 @@ struct CudaCast {
         const bool aligned = reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                              reinterpret_cast<uintptr_t>(yp) % (kVec * sizeof(Storage)) == 0;
         if (aligned) {
-          launch_cast<Src, Target, LinearOffsets, true>(xp, yp, {}, numel, saturate, partials, stream);
+          launch_cast<Src, Target, LinearOffsets, true>(xp, yp, {}, numel, options, partials, stream);
         } else {
-          launch_cast<Src, Target, LinearOffsets, false>(xp, yp, {}, numel, saturate, partials, stream);
+          launch_cast<Src, Target, LinearOffsets, false>(xp, yp, {}, numel, options, partials, stream);
         }
       } else if (iter.can_use_32bit_indexing()) {
         launch_cast<Src, Target, IterOffsets<uint32_t>, false>(
-            xp, yp, iter_offsets<uint32_t>(iter), numel, saturate, partials, stream);
+            xp, yp, iter_offsets<uint32_t>(iter), numel, options, partials, stream);
       } else {
         launch_cast<Src, Target, IterOffsets<uint64_t>, false>(
-            xp, yp, iter_offsets<uint64_t>(iter), numel, saturate, partials, stream);
+            xp, yp, iter_offsets<uint64_t>(iter), numel, options, partials, stream);
       }
     }
     finish_stats_kernel<<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,

@@ -145,8 +145,28 @@ def exact_cast_stats(x):
                         for name in STAT_FIELDS])
 
 
-def cast_with_stats(x, dtype, out=None, saturate=None):
+def check_scale(x, dtype, kind, scale):
+    """cast_with_stats' checks of scale, as csrc/cast_common.cpp makes them."""
+    if scale is None:
+        return
+    if kind != "lossy":
+        raise RuntimeError(
+            f"torchcast.cast_with_stats: a scale applies to lossy casts; the cast of x from "
+            f"{x.dtype} to {dtype} is exact. Drop scale (and multiply x yourself if you meant to)")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise RuntimeError(
+            f"torchcast.cast_with_stats: scale must be a one-element float32 tensor, got "
+            f"{scale.dtype} of shape {list(scale.shape)}; pass torch.tensor(value, "
+            "dtype=torch.float32, device=x.device)")
+    if scale.device != x.device:
+        raise RuntimeError(
+            f"torchcast.cast_with_stats: scale is on {scale.device} but x is on {x.device}; "
+            "move scale to x's device (it is read there, never on the host)")
+
+
+def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     kind = classify_cast(x.dtype, dtype)
+    check_scale(x, dtype, kind, scale)
     if out is not None:
         check_out(x, dtype, out)
     y = torch.empty_like(x, dtype=dtype) if out is None else out
@@ -154,13 +174,15 @@ def cast_with_stats(x, dtype, out=None, saturate=None):
         y.copy_(x)
         return y, exact_cast_stats(x)
     saturate = resolve_saturate(saturate, dtype)
-    y.copy_(correctly_rounded(x, dtype, saturate))
-    # The errors in the type that holds x exactly: float64 or float32.
+    y.copy_(correctly_rounded(x, dtype, saturate, scale))
+    # The errors in the type that holds x exactly: float64 or float32; y
+    # measured as yw (its float32 value) divided by scale in that type.
     xf = iteration_order(x, y)
     xf = xf if xf.dtype == torch.float64 else xf.float()
-    back = iteration_order(y, y).to(xf.dtype)
+    yw = iteration_order(y, y).float()
+    back = yw.to(xf.dtype) if scale is None else yw.to(xf.dtype) / scale.reshape(()).to(xf.dtype)
     zero = torch.zeros((), dtype=xf.dtype, device=x.device)
-    x_finite, y_finite = torch.isfinite(xf), torch.isfinite(back)
+    x_finite, y_finite = torch.isfinite(xf), torch.isfinite(yw)
     measured = x_finite & y_finite
     abs_err = torch.where(measured, (xf - back).abs(), zero)
     denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))
@@ -170,7 +192,7 @@ def cast_with_stats(x, dtype, out=None, saturate=None):
     overflow = (x_finite & ~y_finite).sum()
     # Beyond the range: not NaN, and not finite once rounded without saturation.
     if saturate:
-        unsaturated = iteration_order(correctly_rounded(x, dtype), y).to(xf.dtype)
+        unsaturated = iteration_order(correctly_rounded(x, dtype, scale=scale), y).float()
         saturated = (~torch.isnan(xf) & ~torch.isfinite(unsaturated)).sum()
     else:
         saturated = 0
@@ -179,8 +201,8 @@ def cast_with_stats(x, dtype, out=None, saturate=None):
         "inexact": (x_finite & (back != xf)).sum(),
         "overflow": overflow,
         "saturated": saturated,
-        "underflow": ((xf != 0) & (back == 0)).sum(),
-        "subnormal": ((back != 0) & (back.abs() < _MIN_NORMAL[dtype])).sum(),
+        "underflow": ((xf != 0) & (yw == 0)).sum(),
+        "subnormal": ((yw != 0) & (yw.abs() < _MIN_NORMAL[dtype])).sum(),
         "max_abs_err": abs_err.max() if n else 0.0,
         "max_rel_err": rel_err.max() if n else 0.0,
         "amax": torch.where(x_finite, xf.abs(), zero).max() if n else 0.0,

@@ -85,11 +85,44 @@ def _narrow(f, dtype, saturate):
     return y
 
 
-def correctly_rounded(x, dtype, saturate=False):
-    """x rounded once to dtype, NaNs as the kernels write them (torch's own
-    NaN bits depend on the device and, for bfloat16, on the layout); with
-    saturate, values beyond dtype's range (+-inf included) become its
-    +-largest finite value."""
+def _two_product_error(a, b):
+    """The exact error a * b - fl(a * b) of float64 tensors, by Dekker's
+    splitting (no fma in torch); exact where |a|, |b| < 2^995 and the
+    product does not underflow."""
+    def split(v):
+        c = v * 134217729.0  # 2^27 + 1
+        hi = c - (c - v)
+        return hi, v - hi
+
+    p = a * b
+    ah, al = split(a)
+    bh, bl = split(b)
+    return ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def scaled_to_odd(x, scale):
+    """x * scale rounded to odd in float64, as numerics.h's scaled_to_odd:
+    exact for float32 and narrower x; for float64 x the product rounded to
+    nearest, corrected by its exact error. scale: a one-element float32
+    tensor."""
+    s = scale.reshape(()).to(torch.float64)
+    if x.dtype != torch.float64:
+        return (x if x.dtype == torch.float32 else widen_exact(x)).double() * s
+    p = x * s
+    e = torch.nan_to_num(_two_product_error(x, s.expand_as(x)), nan=0.0, posinf=0.0, neginf=0.0)
+    bits = p.view(torch.int64)
+    toward_zero = torch.where((e < 0) != (p < 0), bits - 1, bits)
+    inexact = (e != 0) & torch.isfinite(p)
+    return torch.where(inexact, (toward_zero | 1).view(torch.float64), p)
+
+
+def correctly_rounded(x, dtype, saturate=False, scale=None):
+    """x (or x * scale) rounded once to dtype, NaNs as the kernels write them
+    (torch's own NaN bits depend on the device and, for bfloat16, on the
+    layout); with saturate, values beyond dtype's range (+-inf included)
+    become its +-largest finite value."""
+    if scale is not None:
+        x = scaled_to_odd(x, scale)  # float64, rounded to odd: one more rounding is exact
     if x.dtype == torch.float64:
         if dtype == torch.float32:
             y = torch.where(torch.isnan(x), _float32_nans(x), x.to(torch.float32))
