@@ -442,3 +442,22 @@ def test_safe_to_amax_scaling():
         torchcast.safe_to(x, torch.float8_e4m3fn, scale="max")
     with pytest.raises(TypeError, match="scale applies to floating targets"):
         torchcast.safe_to(x, torch.int8, scale="amax")
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dst", FLOAT8 + (torch.float16, torch.bfloat16), ids=str)
+def test_headroom_predicts_the_scaled_cast(src, dst):
+    """report.headroom's prediction from a histogram (tensor_health) and the
+    scaled cast itself count the same overflows, underflows and subnormals:
+    both follow the format's rounding (ties to even, e4m3fn's 464 -> 448)."""
+    if src == dst:
+        return
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(40_000, dtype=torch.float64, generator=g) * torch.exp2(
+        torch.randint(-30, 30, (40_000,), generator=g).double())).to(src)
+    health = torchcast.tensor_health(x)
+    for k in (-4, 0, 5):
+        predicted = torchcast.headroom.headroom(health, dst, 2.0 ** k)
+        s = CastStats.from_tensor(OP(x, dst, torch.tensor(2.0 ** k), saturate=False)[1])
+        assert (predicted.overflow, predicted.underflow, predicted.subnormal) == \
+            (s.overflow, s.underflow, s.subnormal), k

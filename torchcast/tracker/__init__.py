@@ -149,7 +149,7 @@ class track:
             a cast's elements above which it counts: a string such as
             ``"overflow,nan,underflow>1%"``, ``"all"``, a dict kind ->
             fraction, or an iterable of kinds (see torchcast.violations).
-            Default ``"overflow,underflow>1%,graph_cut,imag_dropped"``:
+            Default ``"overflow,saturated,underflow>1%,graph_cut,imag_dropped"``:
             what breaks training. The other losses (subnormal results, NaN
             passing through a cast) are listed as notes.
         nonfinite: None (default), "record", "warn" or "raise": check every
