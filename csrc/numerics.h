@@ -265,6 +265,7 @@ struct Float32Target {
   TC_HD static float round(double d) { return float_from_double(d); }
   TC_HD static float round(float f) { return f; }
   TC_HD static float widen(float s) { return s; }
+  TC_HD static bool finite(float s) { return (s - s) == 0.f; }
   TC_HD static float largest(bool negative) {
     return negative ? -3.40282346638528859812e+38f : 3.40282346638528859812e+38f;
   }
@@ -280,6 +281,9 @@ struct NarrowTarget {
   TC_HD static storage round(float f) { return Bits::from_float(f); }
   TC_HD static storage round(double d) { return Bits::from_float(float_round_to_odd(d)); }
   TC_HD static float widen(storage s) { return Bits::to_float(s); }
+  // From the bits alone: an integer test keeps gcc's vectorizer from mixing
+  // float and integer masks, which it cannot do for bfloat16.
+  TC_HD static bool finite(storage s) { return Bits::finite(s); }
   TC_HD static storage largest(bool negative) {
     return static_cast<storage>(Bits::kMaxBits | (negative ? Bits::kSignBit : 0u));
   }
@@ -291,6 +295,7 @@ struct HalfBits {
   static constexpr uint32_t kMaxBits = 0x7bffu, kSignBit = 0x8000u;
   TC_HD static uint16_t from_float(float f) { return half_bits_from_float(f); }
   TC_HD static float to_float(uint16_t h) { return float_from_half_bits(h); }
+  TC_HD static bool finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 };
 using Float16Target = NarrowTarget<HalfBits>;
 
@@ -300,6 +305,7 @@ struct BFloat16Bits {
   static constexpr uint32_t kMaxBits = 0x7f7fu, kSignBit = 0x8000u;
   TC_HD static uint16_t from_float(float f) { return bfloat16_bits_from_float(f); }
   TC_HD static float to_float(uint16_t b) { return float_from_bfloat16_bits(b); }
+  TC_HD static bool finite(uint16_t b) { return (b & 0x7f80u) != 0x7f80u; }
 };
 using BFloat16Target = NarrowTarget<BFloat16Bits>;
 
@@ -310,6 +316,7 @@ struct Float8Bits {
   static constexpr uint32_t kMaxBits = F8::kMaxBits, kSignBit = 0x80u;
   TC_HD static uint8_t from_float(float f) { return float8_bits_from_float<F8>(f); }
   TC_HD static float to_float(uint8_t b) { return float_from_float8_bits<F8>(b); }
+  TC_HD static bool finite(uint8_t b) { return !F8::special(b & 0x7fu); }
 };
 using Float8E4M3FNTarget = NarrowTarget<Float8Bits<Float8E4M3FNBits>>;
 using Float8E5M2Target = NarrowTarget<Float8Bits<Float8E5M2Bits>>;
@@ -367,45 +374,45 @@ struct ElementMeasure {
   From abs_err, rel_err, amax;
   From sq_err, sq;  // the terms of the sums: (x - y)^2 and x^2, over the measured elements
 
-  // y = round(x).
+  // y = round(x). Beyond the range: x is +-inf, or finite and rounded to
+  // inf/NaN.
   TC_HD ElementMeasure(From x, bool saturate) {
     const typename Target::storage rounded = Target::round(x);
-    const From back = static_cast<From>(Target::widen(rounded));
-    // Beyond the range: x is +-inf, or finite and rounded to inf/NaN.
-    measure<false>(x, rounded, x == x && (back - back) != From(0), saturate, 1.f);
+    measure<false>(x, rounded, (x == x) & !Target::finite(rounded), saturate, 1.f);
   }
 
   // y = round(x * scale).
   TC_HD ElementMeasure(From x, bool saturate, float scale) {
     const double xs = scaled_to_odd(x, scale);
     const typename Target::storage rounded = Target::round(xs);
-    const float back = Target::widen(rounded);
-    measure<true>(x, rounded, xs == xs && (back - back) != 0.f, saturate, scale);
+    measure<true>(x, rounded, (xs == xs) & !Target::finite(rounded), saturate, scale);
   }
 
  private:
   template <bool kScaled>
   TC_HD void measure(From x, typename Target::storage rounded, bool beyond, bool saturate,
                      float scale) {
-    // x - x is 0 exactly for finite x and NaN for inf/NaN: a branch-free test.
+    // x - x is 0 exactly for finite x and NaN for inf/NaN: a branch-free
+    // test. Conditions combine with & and |, not && and ||: short-circuits
+    // become branches, which keep the CPU loops from vectorizing.
     const bool x_finite = (x - x) == From(0);
-    saturated = saturate && beyond;
+    saturated = saturate & beyond;
     y = saturated ? Target::largest(x < From(0)) : rounded;
     const float yw = Target::widen(y);
     const From back = kScaled ? static_cast<From>(yw) / static_cast<From>(scale) : static_cast<From>(yw);
     const bool y_finite = (yw - yw) == 0.f;
-    const bool measured = x_finite && y_finite;
+    const bool measured = x_finite & y_finite;
     nan = x != x;
-    inf = x == x && !x_finite;
-    inexact = x_finite && back != x;
-    overflow = x_finite && !y_finite;
-    underflow = x != From(0) && yw == 0.f;
-    subnormal = yw != 0.f && fabsf(yw) < Target::min_normal;
+    inf = (x == x) & !x_finite;
+    inexact = x_finite & (back != x);
+    overflow = x_finite & !y_finite;
+    underflow = (x != From(0)) & (yw == 0.f);
+    subnormal = (yw != 0.f) & (fabsf(yw) < Target::min_normal);
     amax = x_finite ? fabs(x) : From(0);
     // x - back is exact where back is x rounded to a narrower format; a
     // saturated x may be far from back, and then it is rounded once.
     abs_err = measured ? fabs(x - back) : From(0);
-    const From denom = (measured && x != From(0)) ? fabs(x) : From(1);
+    const From denom = (measured & (x != From(0))) ? fabs(x) : From(1);
     rel_err = abs_err / denom;
     sq_err = abs_err * abs_err;
     sq = measured ? x * x : From(0);

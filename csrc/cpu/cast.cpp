@@ -39,40 +39,67 @@ bool use_avx512() {
 
 // The portable loop: n <= kLanes - lane contiguous elements into lanes
 // [lane, lane + n), one ElementMeasure each (of x * scale with kScaled).
-// Counters are local and as wide as the source, and the maxima kept per
-// lane, so that the loop vectorizes.
-template <typename Src, typename Target, bool kScaled>
+// Counters are local and as wide as the source, the maxima kept per lane,
+// and saturation a compile-time choice, so that the loop vectorizes.
+template <typename Src, typename Target, bool kScaled, bool kSaturate>
 TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
                                 const typename SourceFormat<Src>::storage* __restrict__ x,
                                 typename Target::storage* __restrict__ y, int lane, int n,
-                                bool saturate, float scale) {
+                                float scale) {
   using Format = SourceFormat<Src>;
   using Wide = typename Format::wide;
   using Count = std::conditional_t<sizeof(Wide) == 8, int64_t, int32_t>;
+  // One restrict pointer per array and plain local counters: what gcc needs
+  // to vectorize the loop.
   Wide* __restrict__ max_abs = st->max_abs + lane;
   Wide* __restrict__ max_rel = st->max_rel + lane;
   Wide* __restrict__ amax = st->amax + lane;
-  CastCounts<Count> counts;
-  for (int j = 0; j < n; ++j) {
-    const auto m = kScaled ? ElementMeasure<Target, Wide>(Format::widen(x[j]), saturate, scale)
-                           : ElementMeasure<Target, Wide>(Format::widen(x[j]), saturate);
+  Count c_nan = 0, c_inf = 0, c_inexact = 0, c_overflow = 0, c_saturated = 0, c_underflow = 0,
+        c_subnormal = 0;
+  // Inlined into each clone (TC_CPU_CLONES): out of line it would be
+  // compiled for the baseline ISA and block vectorization.
+  const auto measure = [&](int j) __attribute__((always_inline)) {
+    const auto m = kScaled ? ElementMeasure<Target, Wide>(Format::widen(x[j]), kSaturate, scale)
+                           : ElementMeasure<Target, Wide>(Format::widen(x[j]), kSaturate);
     y[j] = m.y;
-    counts.add(m);
-    if constexpr (std::is_same<Wide, double>::value) {
-      st->sums[cpu::kAbs][lane + j] += m.abs_err;
-      st->sums[cpu::kSqErr][lane + j] += m.sq_err;
-      st->sums[cpu::kSq][lane + j] += m.sq;
-    } else {
-      auto& s = st->sums;
-      neumaier_add(s[cpu::kAbsS][lane + j], s[cpu::kAbsC][lane + j], m.abs_err);
-      neumaier_add(s[cpu::kSqErrS][lane + j], s[cpu::kSqErrC][lane + j], m.sq_err);
-      neumaier_add(s[cpu::kSqS][lane + j], s[cpu::kSqC][lane + j], m.sq);
-    }
+    c_nan += m.nan;
+    c_inf += m.inf;
+    c_inexact += m.inexact;
+    c_overflow += m.overflow;
+    c_saturated += m.saturated;
+    c_underflow += m.underflow;
+    c_subnormal += m.subnormal;
     max_abs[j] = m.abs_err > max_abs[j] ? m.abs_err : max_abs[j];
     max_rel[j] = m.rel_err > max_rel[j] ? m.rel_err : max_rel[j];
     amax[j] = m.amax > amax[j] ? m.amax : amax[j];
+    return m;
+  };
+  if constexpr (std::is_same<Wide, double>::value) {
+    double* __restrict__ abs_s = st->sums[cpu::kAbs] + lane;
+    double* __restrict__ sq_err_s = st->sums[cpu::kSqErr] + lane;
+    double* __restrict__ sq_s = st->sums[cpu::kSq] + lane;
+    for (int j = 0; j < n; ++j) {
+      const auto m = measure(j);
+      abs_s[j] += m.abs_err;
+      sq_err_s[j] += m.sq_err;
+      sq_s[j] += m.sq;
+    }
+  } else {
+    float* __restrict__ abs_s = st->sums[cpu::kAbsS] + lane;
+    float* __restrict__ abs_c = st->sums[cpu::kAbsC] + lane;
+    float* __restrict__ sq_err_s = st->sums[cpu::kSqErrS] + lane;
+    float* __restrict__ sq_err_c = st->sums[cpu::kSqErrC] + lane;
+    float* __restrict__ sq_s = st->sums[cpu::kSqS] + lane;
+    float* __restrict__ sq_c = st->sums[cpu::kSqC] + lane;
+    for (int j = 0; j < n; ++j) {
+      const auto m = measure(j);
+      neumaier_add(abs_s[j], abs_c[j], m.abs_err);
+      neumaier_add(sq_err_s[j], sq_err_c[j], m.sq_err);
+      neumaier_add(sq_s[j], sq_c[j], m.sq);
+    }
   }
-  st->counts.merge(counts);
+  st->counts.merge(CastCounts<Count>{c_nan, c_inf, c_inexact, c_overflow, c_saturated, c_underflow,
+                                     c_subnormal});
 }
 
 // Whether the AVX-512 loop (cast_avx512.h) covers the pair: float32 and
@@ -102,13 +129,14 @@ struct CastCpu {
     }
 #endif
     const float scale = o.scale != nullptr ? *o.scale : 1.f;
+    const auto loop = o.scale != nullptr
+                          ? (o.saturate ? portable_run<Src, Target, true, true>
+                                        : portable_run<Src, Target, true, false>)
+                          : (o.saturate ? portable_run<Src, Target, false, true>
+                                        : portable_run<Src, Target, false, false>);
     while (n > 0) {
       const int k = static_cast<int>(std::min<int64_t>(n, kLanes - lane));
-      if (o.scale != nullptr) {
-        portable_run<Src, Target, true>(st, x, y, lane, k, o.saturate, scale);
-      } else {
-        portable_run<Src, Target, false>(st, x, y, lane, k, o.saturate, scale);
-      }
+      loop(st, x, y, lane, k, scale);
       x += k;
       y += k;
       n -= k;
