@@ -146,7 +146,11 @@ TC_HD uint16_t half_bits_from_float(float f) {
 TC_HD uint16_t bfloat16_bits_from_float(float f) {
   const uint32_t u = bit_cast<uint32_t>(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+  // NaN (|u| above infinity's bits) as all-ones from the borrow's sign, and
+  // the select written as masks: a compare-and-select here is a boolean that
+  // gcc's vectorizer then cannot mix with the float compares around it.
+  const uint32_t nan = static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (u & 0x7fffffffu)) >> 31);
+  return static_cast<uint16_t>((nan & 0x7fc0u) | (~nan & rounded));
 }
 
 TC_HD float float_from_half_bits(uint16_t h) {
