@@ -12,6 +12,10 @@ from typing import Optional, Union
 
 import torch
 
+from . import _ops
+from .stats import STAT_FIELDS
+
+_AMAX = STAT_FIELDS.index("amax")
 # The recipes safe_to's ``scale=`` accepts by name.
 RECIPES = ("amax", "amax_pow2")
 # The smallest amax a scale is computed from (torchao's EPS): an all-zero x
@@ -25,7 +29,8 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
     float8 recipes), computed on x's device without a host synchronization.
 
     Args:
-        x (Tensor): a floating tensor; NaN and +-inf are left out of its amax.
+        x (Tensor): a float64, float32, float16, bfloat16 or float8 tensor;
+            NaN and +-inf are left out of its amax.
         dtype (torch.dtype): the floating target, e.g. torch.float8_e4m3fn.
         power_of_two (bool): round the scale down to a power of two, so that
             x * scale and y / scale are exact (no rounding but y's own).
@@ -37,10 +42,9 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"torchcast.amax_scale: dtype must be a floating torch.dtype, got {dtype!r}")
-    if x.numel():
-        amax = torch.where(torch.isfinite(x), x.abs(), 0).amax().to(torch.float64)
-    else:
-        amax = torch.zeros((), dtype=torch.float64, device=x.device)
+    # The amax of an exact cast's stats: one read of x on the CPU (bit
+    # compares, csrc/cast_common.cpp), composite ops elsewhere.
+    amax = _ops.exact_cast_stats(x)[_AMAX]
     scale = torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
