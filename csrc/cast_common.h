@@ -55,8 +55,9 @@ template <typename Count>
 struct CastCounts {
   Count nan = 0, inf = 0, inexact = 0, overflow = 0, saturated = 0, underflow = 0, subnormal = 0;
 
-  template <typename Other>
-  TC_HD void merge(const CastCounts<Other>& o) {
+  // Adds another CastCounts, or the flags of one ElementMeasure (same names).
+  template <typename Counts>
+  TC_HD void add(const Counts& o) {
     nan += o.nan;
     inf += o.inf;
     inexact += o.inexact;
@@ -64,17 +65,6 @@ struct CastCounts {
     saturated += o.saturated;
     underflow += o.underflow;
     subnormal += o.subnormal;
-  }
-
-  template <typename Measure>
-  TC_HD void add(const Measure& m) {
-    nan += m.nan;
-    inf += m.inf;
-    inexact += m.inexact;
-    overflow += m.overflow;
-    saturated += m.saturated;
-    underflow += m.underflow;
-    subnormal += m.subnormal;
   }
 };
 
@@ -89,7 +79,7 @@ struct ChunkStats {
   SumsOf<From> sums;
 
   TC_HD void merge(const ChunkStats& o) {
-    counts.merge(o.counts);
+    counts.add(o.counts);
     max_abs_err = o.max_abs_err > max_abs_err ? o.max_abs_err : max_abs_err;
     max_rel_err = o.max_rel_err > max_rel_err ? o.max_rel_err : max_rel_err;
     amax = o.amax > amax ? o.amax : amax;

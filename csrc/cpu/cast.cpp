@@ -49,26 +49,19 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
   using Format = SourceFormat<Src>;
   using Wide = typename Format::wide;
   using Count = std::conditional_t<sizeof(Wide) == 8, int64_t, int32_t>;
-  // One restrict pointer per array and plain local counters: what gcc needs
-  // to vectorize the loop.
+  // One restrict pointer per array and local counters: what gcc needs to
+  // vectorize the loop.
   Wide* __restrict__ max_abs = st->max_abs + lane;
   Wide* __restrict__ max_rel = st->max_rel + lane;
   Wide* __restrict__ amax = st->amax + lane;
-  Count c_nan = 0, c_inf = 0, c_inexact = 0, c_overflow = 0, c_saturated = 0, c_underflow = 0,
-        c_subnormal = 0;
+  CastCounts<Count> counts;
   // Inlined into each clone (TC_CPU_CLONES): out of line it would be
   // compiled for the baseline ISA and block vectorization.
   const auto measure = [&](int j) __attribute__((always_inline)) {
     const auto m = kScaled ? ElementMeasure<Target, Wide>(Format::widen(x[j]), kSaturate, scale)
                            : ElementMeasure<Target, Wide>(Format::widen(x[j]), kSaturate);
     y[j] = m.y;
-    c_nan += m.nan;
-    c_inf += m.inf;
-    c_inexact += m.inexact;
-    c_overflow += m.overflow;
-    c_saturated += m.saturated;
-    c_underflow += m.underflow;
-    c_subnormal += m.subnormal;
+    counts.add(m);
     max_abs[j] = m.abs_err > max_abs[j] ? m.abs_err : max_abs[j];
     max_rel[j] = m.rel_err > max_rel[j] ? m.rel_err : max_rel[j];
     amax[j] = m.amax > amax[j] ? m.amax : amax[j];
@@ -98,8 +91,7 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
       neumaier_add(sq_s[j], sq_c[j], m.sq);
     }
   }
-  st->counts.merge(CastCounts<Count>{c_nan, c_inf, c_inexact, c_overflow, c_saturated, c_underflow,
-                                     c_subnormal});
+  st->counts.add(counts);
 }
 
 // Whether the AVX-512 loop (cast_avx512.h) covers the pair: float32 and

@@ -69,7 +69,7 @@ struct ThreadStats {
   // Lanes merged lane 0 first into an empty sum, as cpu::finish_lanes does.
   __device__ __forceinline__ ChunkStats<Wide> finish() const {
     ChunkStats<Wide> out;
-    out.counts.merge(counts);
+    out.counts.add(counts);
     out.max_abs_err = max_abs;
     out.max_rel_err = max_rel;
     out.amax = amax;
