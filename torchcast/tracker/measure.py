@@ -120,7 +120,7 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         return None  # integer and bool sources: not a precision question track answers
     float8_to_float8 = s_dt != dtype and _RANK.get(s_dt) == _RANK.get(dtype) == 1
     if s_dt not in _RANK or dtype not in _RANK or float8_to_float8:
-        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # and other formats
+        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 <-> float8, others
     if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:  # widening (or the real part kept): exact
         return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
     stats, differ, y = _measure(src, dtype, t)
