@@ -438,6 +438,9 @@ def test_safe_to_amax_scaling():
     assert torch.equal(torchcast.scaling.amax_scale(x, torch.float8_e4m3fn, power_of_two=True), s2)
     torchcast.safe_to(x, torch.float16, policy="ignore")
     assert torchcast.last_scale() is None
+    compiled = torch.compile(lambda t: torchcast.safe_to(t, torch.float8_e4m3fn, scale="amax"),
+                             fullgraph=True)
+    assert torch.equal(compiled(x).view(torch.uint8), y.view(torch.uint8))
     with pytest.raises(ValueError, match="'amax', 'amax_pow2'"):
         torchcast.safe_to(x, torch.float8_e4m3fn, scale="max")
     with pytest.raises(TypeError, match="scale applies to floating targets"):

@@ -42,9 +42,14 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"torchcast.amax_scale: dtype must be a floating torch.dtype, got {dtype!r}")
-    # The amax of an exact cast's stats: one read of x on the CPU (bit
-    # compares, csrc/cast_common.cpp), composite ops elsewhere.
-    amax = _ops.exact_cast_stats(x)[_AMAX]
+    if torch.compiler.is_compiling():
+        # Traceable ops (exact_cast_stats is no torch op).
+        amax = torch.where(torch.isfinite(x), x.abs(), 0).amax() if x.numel() else x.new_zeros(())
+        amax = amax.to(torch.float64)
+    else:
+        # The amax of an exact cast's stats: one read of x on the CPU (bit
+        # compares, csrc/cast_common.cpp), composite ops elsewhere.
+        amax = _ops.exact_cast_stats(x)[_AMAX]
     scale = torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
