@@ -1,12 +1,12 @@
 """Per-tensor scales for scaled casts: ``y = round(x * scale)``, read back as
 ``y / scale``.
 
-This is the convention of torchao's float8 training (``Float8TrainingTensor``
-keeps ``_data = x * _scale``) and of TransformerEngine (which keeps
-``scale_inv``, the reciprocal, beside the data). ``torch._scaled_mm`` takes
-the dequantizing factors: pass ``scale.reciprocal()`` as its ``scale_a`` /
-``scale_b``. The scale stays a float32 tensor on x's device: nothing here
-reads it on the host.
+This is the convention of torchao's float8 training (its float8 tensor holds
+``x * scale``, saturated, beside the scale) and of TransformerEngine's (which
+keeps ``scale_inv``, the reciprocal, beside the data). ``torch._scaled_mm``
+takes the dequantizing factors: pass ``scale.reciprocal()`` as its
+``scale_a`` / ``scale_b``. The scale stays a float32 tensor on x's device:
+nothing here reads it on the host.
 """
 from typing import Optional, Union
 
@@ -21,6 +21,7 @@ RECIPES = ("amax", "amax_pow2")
 # The smallest amax a scale is computed from (torchao's EPS): an all-zero x
 # gets a large finite scale instead of inf.
 _AMAX_FLOOR = 1e-12
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = False) -> torch.Tensor:
@@ -38,7 +39,8 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
 
     Returns:
         Tensor: a 0-d float32 tensor on x's device: ``finfo(dtype).max /
-        max(amax, 1e-12)``, rounded down to a power of two if asked.
+        max(amax, 1e-12)`` (at most float32's largest value), rounded down
+        to a power of two if asked.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"torchcast.amax_scale: dtype must be a floating torch.dtype, got {dtype!r}")
@@ -50,7 +52,9 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
         # The amax of an exact cast's stats: one read of x on the CPU (bit
         # compares, csrc/cast_common.cpp), composite ops elsewhere.
         amax = _ops.exact_cast_stats(x)[_AMAX]
-    scale = torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)
+    # Clamped to float32's range: bfloat16's largest value over a tiny amax
+    # would be inf.
+    scale = (torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)).clamp(max=_FLOAT32_MAX)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale.to(torch.float32)
