@@ -89,9 +89,10 @@ for _name, _schema in SCHEMAS.items():
         _lib.impl(_name, _KERNELS[_name], _device)
 
 
-def _cast_setup_context(ctx, inputs, output):
+def _cast_setup_context(ctx, inputs, keyword_only_inputs, output):
+    # inputs: (x, dtype, scale); saturate is keyword-only and needs nothing.
     ctx.src_dtype = inputs[0].dtype
-    ctx.save_for_backward(inputs[2] if len(inputs) > 2 else None)
+    ctx.save_for_backward(inputs[2])
     ctx.mark_non_differentiable(output[1])
 
 
