@@ -73,6 +73,7 @@ def _cast_with_stats_out_fake(x, dtype, scale=None, *, saturate=None, out):
 # a Python autograd kernel would cost microseconds on every call.
 
 
+_CAST = _ops.cast_with_stats.default
 _warned_fallback = set()
 
 
@@ -106,8 +107,12 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
             return _FallbackCast.apply(x, y, scale), stats
         return cast_reference.cast_with_stats(x, dtype, out, saturate, scale)
     if out is not None:
-        return out, _ops.cast_with_stats.out(x, dtype, scale=scale, saturate=saturate, out=out)
-    return _ops.cast_with_stats(x, dtype, scale=scale, saturate=saturate)
+        return out, _ops.cast_with_stats.out(x, dtype, scale, saturate=saturate, out=out)
+    # Only the arguments given: each keyword costs the dispatcher's parser
+    # about 0.25 µs, a tenth of a small cast.
+    if saturate is None:
+        return _CAST(x, dtype) if scale is None else _CAST(x, dtype, scale)
+    return _CAST(x, dtype, scale, saturate=saturate)
 
 
 class _FallbackCast(torch.autograd.Function):

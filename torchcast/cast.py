@@ -126,7 +126,8 @@ def last_scale() -> Optional[torch.Tensor]:
         thread's first ``safe_to``. Calls traced by torch.compile do not
         count.
     """
-    return getattr(_local, "scale", None)
+    pending = getattr(_local, "last", None)
+    return pending.scale if pending is not None else None
 
 
 def last_stats() -> Optional[CastStats]:
@@ -510,7 +511,6 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     if x.dtype == dtype and scale is None:
         if not compiling:
             _local.last = PendingStats.known(CastStats(dtype, dtype, numel=x.numel()))
-            _local.scale = None
         return x
     if not (dtype.is_floating_point or dtype.is_complex) and x.is_floating_point():
         for arg, value in (("saturate", saturate), ("scale", scale)):
@@ -529,9 +529,8 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
         y, stats = _ops.cast_with_stats(x, dtype, saturate=saturate, scale=scale)
         if compiling:
             return y
-    pending = PendingStats(stats, x.dtype, dtype)
+    pending = PendingStats(stats, x.dtype, dtype, scale)
     _local.last = pending
-    _local.scale = scale
     if pol == "ignore":
         return y
     for record in recorders():

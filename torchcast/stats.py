@@ -203,15 +203,17 @@ class PendingStats:
     Args:
         tensor: the stats tensor (None for ``known`` stats).
         src_dtype, dtype: the cast's dtypes.
+        scale: a scaled cast's scale tensor (None: unscaled).
     """
 
-    __slots__ = ("tensor", "src_dtype", "dtype", "_value")
+    __slots__ = ("tensor", "src_dtype", "dtype", "scale", "_value")
 
     def __init__(self, tensor: Optional[torch.Tensor], src_dtype: Optional[torch.dtype],
-                 dtype: Optional[torch.dtype]):
+                 dtype: Optional[torch.dtype], scale: Optional[torch.Tensor] = None):
         self.tensor = tensor
         self.src_dtype = src_dtype
         self.dtype = dtype
+        self.scale = scale
         self._value = None
 
     @classmethod
