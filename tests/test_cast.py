@@ -337,12 +337,14 @@ def test_sum_within_1e6_of_fsum_at_2_24():
 @pytest.mark.skipif(not _ops.WITH_EXTENSION, reason=(
     "checks the compiled kernel's 64-bit indexing; the pure-PyTorch build materializes float64 "
     "intermediates of the expanded input (over 16 GB at 2^31 elements)"))
-def test_more_than_2_31_elements():
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.bfloat16),
+                                     (torch.float16, torch.float8_e4m3fn)])
+def test_more_than_2_31_elements(src, dst):
     n = (1 << 31) + 5
-    x = torch.tensor([1.0 + 2.0 ** -10], dtype=torch.float32).expand(n)  # 4 bytes of input
-    y, stats = torch.ops.torchcast.cast_with_stats(x, torch.bfloat16)
+    x = torch.tensor([1.0 + 2.0 ** -10], dtype=src).expand(n)  # one element of input
+    y, stats = torch.ops.torchcast.cast_with_stats(x, dst)
     s = CastStats.from_tensor(stats)
-    assert s.numel == n and s.inexact == n and y.numel() == n
+    assert s.numel == n and s.inexact == n and y.numel() == n and s.amax == 1.0 + 2.0 ** -10
     assert float(y[-1]) == 1.0 and float(y[n // 2]) == 1.0
     assert s.max_abs_err == 2.0 ** -10
     assert abs(s.sum_abs_err - n * 2.0 ** -10) <= 1e-6 * n * 2.0 ** -10
