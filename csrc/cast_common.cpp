@@ -168,14 +168,12 @@ ExactCounts count_exact_dense(const at::Tensor& x, Bits inf_bits, Bits nan_above
     c.amax = widen(amax_bits);
     return c;
   };
+  const auto combine = [](ExactCounts a, ExactCounts b) {
+    return ExactCounts{a.nan + b.nan, a.inf + b.inf, std::max(a.amax, b.amax)};
+  };
   return at::parallel_reduce(
-      0, x.numel(), int64_t{1} << 16, ExactCounts{}, [&](int64_t b, int64_t e, ExactCounts acc) {
-        const ExactCounts c = chunk(b, e);
-        return ExactCounts{acc.nan + c.nan, acc.inf + c.inf, std::max(acc.amax, c.amax)};
-      },
-      [](ExactCounts a, ExactCounts b) {
-        return ExactCounts{a.nan + b.nan, a.inf + b.inf, std::max(a.amax, b.amax)};
-      });
+      0, x.numel(), int64_t{1} << 16, ExactCounts{},
+      [&](int64_t b, int64_t e, ExactCounts acc) { return combine(acc, chunk(b, e)); }, combine);
 }
 
 ExactCounts count_exact(const at::Tensor& x) {

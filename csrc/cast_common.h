@@ -110,8 +110,8 @@ struct ChunkStats {
 
 // ---------------------------------------------------------------------------
 // The kernels of cast_with_stats and cast_with_stats.out for one backend,
-// whose Backend::narrowing<From, Target>(x, y) writes y = cast(x) and returns
-// the stats; each backend registers these with its own Backend.
+// whose Backend::narrowing<Src, Target>(x, y, options) writes y = cast(x) and
+// returns the stats; each backend registers these with its own Backend.
 
 // What a lossy cast does beyond rounding: saturate (resolved), and the
 // scale's device address (nullptr: unscaled).

@@ -10,7 +10,8 @@
 //    float_round_to_odd derives from the round-to-nearest result. float64
 //    sources only need it where rounding to nearest float32 first could
 //    change the result (see Source<double>).
-//  - The relative error divides by |x| and the maximum skips NaN quotients:
+//  - The relative error divides by |x| (0 where x is not finite, as for amax)
+//    and the maximum skips NaN quotients:
 //    wherever the element is measured and x != 0 that is ElementMeasure's
 //    quotient, and elsewhere the absolute error is 0, so ElementMeasure's
 //    quotient is 0 and this one is 0 or NaN (0/0, 0/NaN), neither of which
@@ -292,7 +293,7 @@ struct Source<float, Target> {
   TC_AVX512_INLINE void maxima(Maxima& m, W::Mask, bool) const {
     m.abs = W::max(t, m.abs);
     m.amax = W::max(ax, m.amax);
-    m.rel = W::max(W::div(t, W::abs(x)), m.rel);
+    m.rel = W::max(W::div(t, ax), m.rel);
   }
   // One vector of lanes of the compensated float32 sums (SumArray order).
   struct Sums {
