@@ -36,17 +36,22 @@ def to_numpy(t):
     return t.view(BITS[t.itemsize]).numpy().view(NP[t.dtype])
 
 
-def ml_cast(x, dtype, saturate):
-    """ml_dtypes' rounding of x to dtype as float64, clamped to +-largest
-    where it overflowed (to inf or NaN from a non-NaN x) when saturating."""
-    xs = to_numpy(x)
+def ml_round(values, dtype, saturate):
+    """ml_dtypes' rounding of numpy values to dtype as float64, clamped to
+    +-largest where it overflowed (to inf or NaN from a non-NaN value) when
+    saturating."""
     with np.errstate(over="ignore", invalid="ignore"):
-        y = xs.astype(NP[dtype]).astype(np.float64)
+        y = values.astype(NP[dtype]).astype(np.float64)
     if saturate:
-        wide = xs.astype(np.float64)
+        wide = values.astype(np.float64)
         beyond = ~np.isnan(wide) & ~np.isfinite(y)
         y = np.where(beyond, np.copysign(LARGEST[dtype], wide), y)
     return y
+
+
+def ml_cast(x, dtype, saturate):
+    """ml_round of tensor x's values."""
+    return ml_round(to_numpy(x), dtype, saturate)
 
 
 def assert_same_values(y, expected):
@@ -335,12 +340,7 @@ def test_scaled_narrow_sources_match_ml_dtypes_on_the_exact_product(src, dst):
         exact = (to_numpy(x).astype(np.float64) * np.float64(s.item()))
         for sat in (False, True):
             y, _ = OP(x, dst, scale=s, saturate=sat)
-            with np.errstate(over="ignore", invalid="ignore"):
-                expected = exact.astype(NP[dst]).astype(np.float64)
-            if sat:
-                beyond = ~np.isnan(exact) & ~np.isfinite(expected)
-                expected = np.where(beyond, np.copysign(LARGEST[dst], exact), expected)
-            assert_same_values(y, expected)
+            assert_same_values(y, ml_round(exact, dst, sat))
 
 
 @pytest.mark.parametrize("src", [torch.float64, torch.float32, torch.bfloat16])

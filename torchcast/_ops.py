@@ -48,7 +48,8 @@ def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
     """The stats tensor ``cast_with_stats`` gives an exact cast of ``x`` (a
     float64/32/16 or bfloat16 tensor): numel and its NaN count, without
     casting it; on x's device, without a sync."""
-    if WITH_EXTENSION:
+    # Under torch.compile, the traceable reference: _C's is no torch op.
+    if WITH_EXTENSION and not torch.compiler.is_compiling():
         return _C.exact_cast_stats(x)
     return cast_reference.exact_cast_stats(x)
 
@@ -128,8 +129,7 @@ class _FallbackCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         scale, = ctx.saved_tensors
-        grad = grad_y.to(ctx.src_dtype)
-        return (grad if scale is None else grad * scale.reshape(()).to(ctx.src_dtype)), None, None
+        return cast_reference.cast_grad(grad_y, ctx.src_dtype, scale), None, None
 
 
 # ---------------------------------------------------------------------------

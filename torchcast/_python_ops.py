@@ -101,8 +101,7 @@ def _cast_backward(ctx, grad_y, grad_stats):
     # the gradient comes back in x's dtype (as the C++ autograd kernel of the
     # compiled build).
     scale, = ctx.saved_tensors
-    grad = grad_y.to(ctx.src_dtype)
-    return (grad if scale is None else grad * scale.reshape(()).to(ctx.src_dtype)), None, None
+    return cast_reference.cast_grad(grad_y, ctx.src_dtype, scale), None, None
 
 
 torch.library.register_autograd("torchcast::cast_with_stats", _cast_backward,

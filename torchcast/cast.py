@@ -179,6 +179,13 @@ def _resolve_dtype(x, dtype):
     return dtype
 
 
+def _check_saturate(saturate: object, fn: str) -> None:
+    """TypeError unless saturate is None or a bool; fn names the caller."""
+    if saturate is not None and not isinstance(saturate, bool):
+        raise TypeError(f"{fn}: saturate must be a bool or None, got "
+                        f"{type(saturate).__name__} ({saturate!r})")
+
+
 def check_tolerance(value: object, arg: str, fn: str) -> Optional[float]:
     """Validates an rtol/atol-like argument.
 
@@ -503,9 +510,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     if name is not None and not isinstance(name, str):
         raise TypeError(f"torchcast.safe_to: name must be a str or None, got "
                         f"{type(name).__name__} ({name!r})")
-    if saturate is not None and not isinstance(saturate, bool):
-        raise TypeError(f"torchcast.safe_to: saturate must be a bool or None, got "
-                        f"{type(saturate).__name__} ({saturate!r})")
+    _check_saturate(saturate, "torchcast.safe_to")
     compiling = torch.compiler.is_compiling()
 
     if x.dtype == dtype and scale is None:
@@ -586,9 +591,7 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
         raise TypeError(
             f"torchcast.cast_with_stats: x must be a torch.Tensor, got {type(x).__name__}")
     check_input(x, "torchcast.cast_with_stats")
-    if saturate is not None and not isinstance(saturate, bool):
-        raise TypeError(f"torchcast.cast_with_stats: saturate must be a bool or None, got "
-                        f"{type(saturate).__name__} ({saturate!r})")
+    _check_saturate(saturate, "torchcast.cast_with_stats")
     return _ops.cast_with_stats(x, dtype, out=out, saturate=saturate, scale=scale)
 
 

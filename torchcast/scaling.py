@@ -44,14 +44,9 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"torchcast.amax_scale: dtype must be a floating torch.dtype, got {dtype!r}")
-    if torch.compiler.is_compiling():
-        # Traceable ops (exact_cast_stats is no torch op).
-        amax = torch.where(torch.isfinite(x), x.abs(), 0).amax() if x.numel() else x.new_zeros(())
-        amax = amax.to(torch.float64)
-    else:
-        # The amax of an exact cast's stats: one read of x on the CPU (bit
-        # compares, csrc/cast_common.cpp), composite ops elsewhere.
-        amax = _ops.exact_cast_stats(x)[_AMAX]
+    # The amax of an exact cast's stats: one read of x on the CPU (bit
+    # compares, csrc/cast_common.cpp), composite ops elsewhere.
+    amax = _ops.exact_cast_stats(x)[_AMAX]
     # Clamped to float32's range: bfloat16's largest value over a tiny amax
     # would be inf.
     scale = (torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)).clamp(max=_FLOAT32_MAX)

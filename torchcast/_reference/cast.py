@@ -42,7 +42,7 @@ def classify_cast(src, dst):
         raise TypeError(
             f"torchcast.cast_with_stats: cannot measure a cast of x from {dtype_name(src)} "
             f"to {dtype_name(dst)}; {SUPPORTED}. For other casts use x.to(dtype).")
-    return "lossy" if rs > rd or (rs == rd and src != dst) else "exact"
+    return "lossy" if _lossy(src, dst) else "exact"
 
 
 def resolve_saturate(saturate, dtype):
@@ -145,6 +145,13 @@ def exact_cast_stats(x):
                         for name in STAT_FIELDS])
 
 
+def cast_grad(grad_y, src_dtype, scale):
+    """The gradient of x from y's: the cast's derivative is the identity,
+    times scale for a scaled cast, in x's dtype (csrc/autograd.cpp)."""
+    grad = grad_y.to(src_dtype)
+    return grad if scale is None else grad * scale.reshape(()).to(src_dtype)
+
+
 def check_scale(x, dtype, kind, scale):
     """cast_with_stats' checks of scale, as csrc/cast_common.cpp makes them."""
     if scale is None:
@@ -188,7 +195,9 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))
     rel_err = abs_err / denom
     n = xf.numel()
-    nan, inf = torch.isnan(xf).sum(), torch.isinf(xf).sum()
+    # numel, nan, inf and amax are an exact cast's; the rest is the rounding's.
+    values = dict(zip(STAT_FIELDS, exact_cast_stats(x)))
+    nan, inf = values["nan"], values["inf"]
     overflow = (x_finite & ~y_finite).sum()
     # Beyond the range: not NaN, and not finite once rounded without saturation.
     if saturate:
@@ -196,8 +205,7 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
         saturated = (~torch.isnan(xf) & ~torch.isfinite(unsaturated)).sum()
     else:
         saturated = 0
-    values = {
-        "numel": n, "nan": nan, "inf": inf,
+    values.update({
         "inexact": (x_finite & (back != xf)).sum(),
         "overflow": overflow,
         "saturated": saturated,
@@ -205,8 +213,7 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
         "subnormal": ((yw != 0) & (yw.abs() < _MIN_NORMAL[dtype])).sum(),
         "max_abs_err": abs_err.max() if n else 0.0,
         "max_rel_err": rel_err.max() if n else 0.0,
-        "amax": torch.where(x_finite, xf.abs(), zero).max() if n else 0.0,
-    }
+    })
     # Every finite x overflowed: no measured element is left, and the maxima
     # are inf rather than 0.
     all_overflowed = (overflow > 0) & (overflow == n - nan - inf)
