@@ -69,14 +69,14 @@ struct CastCounts {
 };
 
 // Per-chunk result of the fused pass: exact counts and maxima, and the sums
-// (compensated float32, or float64 for float64 sources: SumsOf).
+// (SumsOf<From> on CUDA, PlainSums on the CPU).
 // merge() and write() are TC_HD: the CUDA kernels reduce and write these on
 // the device, in the same order as the CPU.
-template <typename From>
+template <typename From, typename Sums = SumsOf<From>>
 struct ChunkStats {
   CastCounts<int64_t> counts;
   From max_abs_err = 0, max_rel_err = 0, amax = 0;
-  SumsOf<From> sums;
+  Sums sums;
 
   TC_HD void merge(const ChunkStats& o) {
     counts.add(o.counts);

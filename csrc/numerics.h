@@ -60,22 +60,11 @@ enum StatIndex : int { TORCHCAST_STATS(TORCHCAST_STAT_INDEX) kNumStats };
 // Neumaier's variant of Kahan summation: the compensation also captures the
 // low bits of the running sum when the new term is the larger one.
 //
-// V is float, or a SIMD vector of floats (csrc/cpu/lanes.cpp), which only
-// needs a Magnitude specialization: ?: selects lane by lane on GCC vectors.
-template <typename V>
-struct Magnitude;
-
-template <>
-struct Magnitude<float> {
-  TC_HD static float of(float x) { return fabsf(x); }
-};
-
-template <typename V>
-TC_HD void neumaier_add(V& sum, V& comp, V v) {
-  const V t = sum + v;
-  const auto sum_bigger = Magnitude<V>::of(sum) >= Magnitude<V>::of(v);
-  const V big = sum_bigger ? sum : v;
-  const V small = sum_bigger ? v : sum;
+TC_HD void neumaier_add(float& sum, float& comp, float v) {
+  const float t = sum + v;
+  const bool sum_bigger = fabsf(sum) >= fabsf(v);
+  const float big = sum_bigger ? sum : v;
+  const float small = sum_bigger ? v : sum;
   comp += (big - t) + small;
   sum = t;
 }
@@ -83,8 +72,7 @@ TC_HD void neumaier_add(V& sum, V& comp, V v) {
 // Folds the compensated pair (s2, c2) into (s, c). The compensations add
 // plainly: they are tiny, and a sum that overflowed to inf carries a NaN
 // compensation that must not reach the sum itself.
-template <typename V>
-TC_HD void neumaier_merge(V& s, V& c, V s2, V c2) {
+TC_HD void neumaier_merge(float& s, float& c, float s2, float c2) {
   neumaier_add(s, c, s2);
   c += c2;
 }
@@ -371,12 +359,15 @@ TC_HD double scaled_to_odd(double x, float scale) {
 // A scaled cast rounds x * scale (scaled_to_odd) and measures y / scale
 // (rounded once, in From: exact for a power-of-two scale) against x; its
 // overflow, saturation, underflow and subnormal results are y's.
-template <typename Target, typename From>
+// The terms of the sums, (x - y)^2 and x^2, are formed in Term: From on
+// CUDA, float64 on the CPU, where the square of a float32 error or x is exact
+// and never overflows (SumsOf).
+template <typename Target, typename From, typename Term = From>
 struct ElementMeasure {
   typename Target::storage y;
   bool nan, inf, inexact, overflow, saturated, underflow, subnormal;
   From abs_err, rel_err, amax;
-  From sq_err, sq;  // the terms of the sums: (x - y)^2 and x^2, over the measured elements
+  Term sq_err, sq;  // over the measured elements
 
   // y = round(x). Beyond the range: x is +-inf, or finite and rounded to
   // inf/NaN.
@@ -418,8 +409,8 @@ struct ElementMeasure {
     abs_err = measured ? fabs(x - back) : From(0);
     const From denom = (measured & (x != From(0))) ? fabs(x) : From(1);
     rel_err = abs_err / denom;
-    sq_err = abs_err * abs_err;
-    sq = measured ? x * x : From(0);
+    sq_err = static_cast<Term>(abs_err) * static_cast<Term>(abs_err);
+    sq = measured ? static_cast<Term>(x) * static_cast<Term>(x) : Term(0);
   }
 };
 
@@ -444,7 +435,9 @@ template <typename From>
 constexpr int lanes_of() { return kBlockThreads * vec_of<From>(); }
 
 // The three sums of the cast statistics, sum |x - y|, sum (x - y)^2 and
-// sum x^2, for float32 and narrower sources: compensated float32 pairs.
+// sum x^2, for float32 and narrower sources on CUDA: compensated float32
+// pairs (float64 arithmetic is slow on many GPUs, and the kernel must stay
+// memory-bound).
 struct ErrorSums {
   float abs_s = 0.f, abs_c = 0.f;
   float sq_err_s = 0.f, sq_err_c = 0.f;
@@ -467,11 +460,14 @@ struct ErrorSums {
   }
 };
 
-// The same sums for float64 sources: plain float64 sums. A float64 x's
-// square exceeds float32's range from |x| ~ 1.8e19 on (and underflows it
-// below ~1e-23), while float64 holds the square of every value a narrower
-// target keeps finite; n plain additions of nonnegative terms stay within
-// n * 2^-53 of the exact sum, 2^-22 for 2^31 terms.
+// The same sums for float64 sources, and for every source on the CPU: plain
+// float64 sums. A square exceeds float32's range from |x| ~ 1.8e19 on (and
+// underflows it below ~1e-23), while float64 holds the square of every
+// float32 value exactly and of every value a narrower target keeps finite;
+// n plain additions of nonnegative terms stay within n * 2^-53 of the exact
+// sum (a lane adds at most kChunk / lanes terms before the tree combines it).
+// On the CPU they are also faster than compensated float32 pairs: two
+// operations a term instead of six.
 struct PlainSums {
   double abs = 0.0, sq_err = 0.0, sq = 0.0;
 
@@ -492,7 +488,8 @@ struct PlainSums {
   }
 };
 
-// The sums of a source whose errors are computed in Wide (float or double).
+// The sums of a source whose errors are computed in Wide (float or double),
+// on CUDA; the CPU kernel takes PlainSums for all.
 template <typename Wide>
 struct SumsOfT {
   using type = ErrorSums;

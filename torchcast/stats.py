@@ -43,12 +43,12 @@ class CastStats:
     when every finite x overflowed they are inf, not 0. ``amax`` is the
     largest |x| over finite x (what float8 recipes scale by). ``sum_abs_err``,
     ``sum_sq_err`` and ``sum_sq`` (of x) are over the measured elements,
-    within about 1e-6 relative of the exact sum: plain float64 sums for
-    float64 sources (they hold the square of every value a narrower format
-    keeps finite), float32 sums with Neumaier compensation for the others,
-    where float32 cannot hold terms below 2^-149 (they round to zero) nor
-    sums above 3.4e38 (reported as inf: from |x| ~ 1.8e19 on, for casts to
-    bfloat16 or saturated ones).
+    within about 1e-6 relative of the exact sum: plain float64 sums on the
+    CPU, and on CUDA for float64 sources (they hold the square of every
+    float32 value exactly); on CUDA, float32 sums with Neumaier compensation
+    for the other sources, where float32 cannot hold terms below 2^-149
+    (they round to zero) nor sums above 3.4e38 (reported as inf: from
+    |x| ~ 1.8e19 on, for casts to bfloat16 or saturated ones).
 
     Casts that cannot lose anything (widening, same dtype) are not measured:
     only ``numel``, ``nan``, ``inf`` and ``amax`` are set.

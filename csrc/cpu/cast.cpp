@@ -54,42 +54,21 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
   Wide* __restrict__ max_abs = st->max_abs + lane;
   Wide* __restrict__ max_rel = st->max_rel + lane;
   Wide* __restrict__ amax = st->amax + lane;
+  double* __restrict__ abs_s = st->sums[cpu::kAbs] + lane;
+  double* __restrict__ sq_err_s = st->sums[cpu::kSqErr] + lane;
+  double* __restrict__ sq_s = st->sums[cpu::kSq] + lane;
   CastCounts<Count> counts;
-  // Inlined into each clone (TC_CPU_CLONES): out of line it would be
-  // compiled for the baseline ISA and block vectorization.
-  const auto measure = [&](int j) __attribute__((always_inline)) {
-    const auto m = kScaled ? ElementMeasure<Target, Wide>(Format::widen(x[j]), kSaturate, scale)
-                           : ElementMeasure<Target, Wide>(Format::widen(x[j]), kSaturate);
+  for (int j = 0; j < n; ++j) {
+    const auto m = kScaled ? ElementMeasure<Target, Wide, double>(Format::widen(x[j]), kSaturate, scale)
+                           : ElementMeasure<Target, Wide, double>(Format::widen(x[j]), kSaturate);
     y[j] = m.y;
     counts.add(m);
     max_abs[j] = m.abs_err > max_abs[j] ? m.abs_err : max_abs[j];
     max_rel[j] = m.rel_err > max_rel[j] ? m.rel_err : max_rel[j];
     amax[j] = m.amax > amax[j] ? m.amax : amax[j];
-    return m;
-  };
-  if constexpr (std::is_same<Wide, double>::value) {
-    double* __restrict__ abs_s = st->sums[cpu::kAbs] + lane;
-    double* __restrict__ sq_err_s = st->sums[cpu::kSqErr] + lane;
-    double* __restrict__ sq_s = st->sums[cpu::kSq] + lane;
-    for (int j = 0; j < n; ++j) {
-      const auto m = measure(j);
-      abs_s[j] += m.abs_err;
-      sq_err_s[j] += m.sq_err;
-      sq_s[j] += m.sq;
-    }
-  } else {
-    float* __restrict__ abs_s = st->sums[cpu::kAbsS] + lane;
-    float* __restrict__ abs_c = st->sums[cpu::kAbsC] + lane;
-    float* __restrict__ sq_err_s = st->sums[cpu::kSqErrS] + lane;
-    float* __restrict__ sq_err_c = st->sums[cpu::kSqErrC] + lane;
-    float* __restrict__ sq_s = st->sums[cpu::kSqS] + lane;
-    float* __restrict__ sq_c = st->sums[cpu::kSqC] + lane;
-    for (int j = 0; j < n; ++j) {
-      const auto m = measure(j);
-      neumaier_add(abs_s[j], abs_c[j], m.abs_err);
-      neumaier_add(sq_err_s[j], sq_err_c[j], m.sq_err);
-      neumaier_add(sq_s[j], sq_c[j], m.sq);
-    }
+    abs_s[j] += static_cast<double>(m.abs_err);
+    sq_err_s[j] += m.sq_err;
+    sq_s[j] += m.sq;
   }
   st->counts.add(counts);
 }
@@ -152,46 +131,24 @@ struct CastCpu {
     }
   }
 
-  // Chunk partials: exact stats, and the sums. Compensated float32 sums go
-  // in arrays padded for reduce_chunk_sums; float64 sources' plain sums
-  // stay in the ChunkStats and reduce in scalar code. Inline storage covers
+  // Chunk partials, reduced in the canonical order. Inline storage covers
   // tensors of up to 16 chunks without touching the heap.
   struct Partials {
-    using Wide = typename State::Wide;
-    static constexpr bool kPlain = std::is_same<Wide, double>::value;
-    c10::SmallVector<ChunkStats<Wide>, 16> exact;  // sums used only when kPlain
-    std::array<c10::SmallVector<float, 16>, cpu::kNumSumArrays> sums;
+    using Stats = typename State::Stats;
+    c10::SmallVector<Stats, 16> chunks;
 
-    explicit Partials(int64_t n) : exact(static_cast<size_t>(n)) {
-      if constexpr (!kPlain) {
-        for (auto& a : sums) a.resize(static_cast<size_t>((n + 15) / 16 * 16));
-      }
-    }
-    void set(int64_t c, const State& st) {
-      auto& chunk = exact[static_cast<size_t>(c)];
-      chunk = st.exact();
-      const auto e = cpu::finish_lanes(st.sums);
-      if constexpr (kPlain) {
-        chunk.sums = e;
-      } else {
-        const float v[cpu::kNumSumArrays] = {e.abs_s, e.abs_c, e.sq_err_s, e.sq_err_c, e.sq_s, e.sq_c};
-        for (int p = 0; p < cpu::kNumSumArrays; ++p) sums[p][static_cast<size_t>(c)] = v[p];
-      }
-    }
+    explicit Partials(int64_t n) : chunks(static_cast<size_t>(n)) {}
+    void set(int64_t c, const State& st) { chunks[static_cast<size_t>(c)] = st.finish(); }
     at::Tensor stats(const at::Tensor& x, int64_t numel) const {
-      ChunkStats<Wide> total;
+      Stats total;
       // Counts and maxima are exact in any order; the sums are set below,
       // in the canonical order.
-      for (const auto& e : exact) total.merge(e);
-      if constexpr (kPlain) {
-        c10::SmallVector<PlainSums, 16> partial;
-        for (const auto& e : exact) partial.push_back(e.sums);
-        total.sums = reduce_partials(partial.data(), static_cast<int64_t>(partial.size()));
-      } else {
-        const float* const arrays[cpu::kNumSumArrays] = {sums[0].data(), sums[1].data(),
-                                                         sums[2].data(), sums[3].data(),
-                                                         sums[4].data(), sums[5].data()};
-        total.sums = cpu::reduce_chunk_sums(arrays, static_cast<int64_t>(exact.size()));
+      for (const auto& e : chunks) total.merge(e);
+      // One chunk: its sums, as merged (the tree only adds zeros to them).
+      if (chunks.size() > 1) {
+        c10::SmallVector<PlainSums, 16> sums;
+        for (const auto& e : chunks) sums.push_back(e.sums);
+        total.sums = reduce_partials(sums.data(), static_cast<int64_t>(sums.size()));
       }
       auto out = at::empty({kNumStats}, x.options().dtype(at::kDouble));
       total.write(out.data_ptr<double>(), numel);
@@ -208,7 +165,7 @@ struct CastCpu {
     const auto task = [&](int64_t first, int64_t last) {
       State st;
       for (int64_t c = first; c < last; ++c) {
-        st.reset();
+        st.reset(std::min(kChunk, numel - c * kChunk));
         body(&st, c);
         partials.set(c, st);
       }

@@ -3,8 +3,9 @@ kernels, and an independent restatement of the kernels' arithmetic.
 
 It reproduces the kernels bit for bit: the same correctly rounded y (round to
 odd in float32, then to nearest even) and the same statistics, including the
-sums (compensated float32, or plain float64 for float64 sources), which it
-reduces in the canonical order described in csrc/numerics.h (order.py)."""
+sums (plain float64 on the CPU; on CUDA compensated float32, or plain float64
+for float64 sources), which it reduces in the canonical order described in
+csrc/numerics.h (order.py)."""
 import torch
 
 from ..stats import STAT_FIELDS
@@ -57,8 +58,8 @@ _MIN_NORMAL = {dtype: torch.finfo(dtype).tiny for dtype in _RANK}
 def canonical_sum(terms, element_size):
     """The sum of a 1-D tensor of terms in the cast kernels' order for an
     input of element_size bytes, as a 0-dim float64 tensor: compensated
-    float32 for float32 terms, plain float64 for float64 terms (float64
-    sources, numerics.h's PlainSums)."""
+    float32 for float32 terms, plain float64 for float64 terms (numerics.h's
+    PlainSums)."""
     pol = PlainDouble if terms.dtype == torch.float64 else Compensated
     rows = terms.reshape(1, -1)
     partials = order.block_partials(rows, order.thread_lanes(element_size), pol)
@@ -219,9 +220,14 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     all_overflowed = (overflow > 0) & (overflow == n - nan - inf)
     for name in ("max_abs_err", "max_rel_err"):
         values[name] = torch.where(all_overflowed, float("inf"), values[name])
-    # The terms in the type the error is computed in (xf's): float64 sums for
-    # float64 sources, compensated float32 sums otherwise.
+    # The terms: plain float64 sums of float64 terms on the CPU (a float32
+    # term and its square are exact in float64) and for float64 sources;
+    # compensated float32 sums of float32 terms for the other sources on
+    # CUDA (numerics.h's SumsOf).
     size = x.element_size()
+    if x.device.type == "cpu":
+        abs_err, xf = abs_err.double(), xf.double()
+        zero = zero.double()
     values["sum_abs_err"] = canonical_sum(abs_err, size)
     values["sum_sq_err"] = canonical_sum(abs_err * abs_err, size)
     values["sum_sq"] = canonical_sum(torch.where(measured, xf * xf, zero), size)
