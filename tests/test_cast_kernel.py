@@ -1,7 +1,7 @@
 """The CPU cast_with_stats kernel's loops against torchcast/_reference/cast.py,
 bit for bit, on data aimed at their edges: partial vectors and rows, chunk
 boundaries, strided runs, NaN/inf/subnormal/overflow/underflow values, raw bit
-patterns, and float64 values at or next to float16/bfloat16 rounding
+patterns, and float64 values at or next to float16/bfloat16/float8 rounding
 midpoints (where rounding to nearest float32 first would round twice). The
 AVX-512 loop and the portable one (ATEN_CPU_CAPABILITY=default) must agree."""
 import os
@@ -38,9 +38,11 @@ def specials(src):
 
 
 def midpoints(n, g):
-    """float64 values at, just below and just above float16 and bfloat16
-    rounding midpoints, across the normal and subnormal ranges."""
-    mant = torch.where(torch.rand(n, generator=g) < 0.5, 10, 7).double()
+    """float64 values at, just below and just above float16, bfloat16 and
+    float8 (e4m3, e5m2) rounding midpoints, across the normal and subnormal
+    ranges."""
+    mant = torch.tensor([10.0, 7.0, 3.0, 2.0], dtype=torch.float64)[
+        torch.randint(0, 4, (n,), generator=g)]
     exp = torch.randint(-30, 16, (n,), generator=g).double()
     k = torch.floor(torch.rand(n, generator=g, dtype=torch.float64) * 2 ** mant)
     value = (1 + k / 2 ** mant) * 2 ** exp
@@ -139,14 +141,17 @@ def test_portable_loop_matches_avx512(tmp_path):
     cases = []
     for src, dst in PAIRS:
         x = torch.cat([data(20_000 + 17 * i, src, kind, g) for i, kind in enumerate(KINDS)])
-        cases.append((x, dst))
-        cases.append((x.view(-1)[5:].view(-1, 5)[:, 1:4], dst))  # strided
+        # float8 targets take the AVX-512 loop when saturating too.
+        for saturate in (None, False, True) if dst.itemsize == 1 else (None,):
+            cases.append((x, dst, saturate))
+            cases.append((x.view(-1)[5:].view(-1, 5)[:, 1:4], dst, saturate))  # strided
     torch.save(cases, tmp_path / "cases.pt")
     script = textwrap.dedent("""
         import sys, torch, torchcast
         cases = torch.load(sys.argv[1])
         assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
-        torch.save([torch.ops.torchcast.cast_with_stats(x, d) for x, d in cases], sys.argv[2])
+        torch.save([torch.ops.torchcast.cast_with_stats(x, d, saturate=s) for x, d, s in cases],
+                   sys.argv[2])
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(torchcast.__file__)))
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
@@ -154,6 +159,6 @@ def test_portable_loop_matches_avx512(tmp_path):
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True)
     portable = torch.load(tmp_path / "out.pt")
-    for (x, dst), (y, s) in zip(cases, portable):
-        y2, s2 = OP(x, dst)
-        assert same(y, y2) and same(s, s2)
+    for (x, dst, saturate), (y, s) in zip(cases, portable):
+        y2, s2 = OP(x, dst, saturate=saturate)
+        assert same(y, y2) and same(s, s2), (x.dtype, dst, saturate)

@@ -83,8 +83,15 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}
 
 def has_kernel(op, device):
     """Whether torchcast::op has a compiled (or, for meta, fake) kernel for this
-    device. A set lookup, so torch.compile traces it without a graph break."""
-    return (op, device.type) in _KERNELS
+    device (a torch.device, or its type as device_type gives it). A set
+    lookup, so torch.compile traces it without a graph break."""
+    return (op, device if isinstance(device, str) else device.type) in _KERNELS
+
+
+def device_type(x):
+    """x's device type: x.is_cpu first, as reading x.device.type costs about
+    0.3 µs, a tenth of a small cast."""
+    return "cpu" if x.is_cpu else x.device.type
 
 
 def _warn_fallback(device, stacklevel=3):
@@ -100,7 +107,7 @@ def _warn_fallback(device, stacklevel=3):
 
 def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
-    if not has_kernel("cast_with_stats", x.device):
+    if not has_kernel("cast_with_stats", device_type(x)):
         _warn_fallback(x.device)
         if x.requires_grad and torch.is_grad_enabled() and out is None:
             y, stats = cast_reference.cast_with_stats(x.detach(), dtype, saturate=saturate,

@@ -73,14 +73,14 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
   st->counts.add(counts);
 }
 
-// Whether the AVX-512 loop (cast_avx512.h) covers the pair: float32 and
-// float64 sources to float32, float16 and bfloat16, unscaled and without
-// saturation.
+// Whether the AVX-512 loop (cast_avx512.h) covers the pair, unscaled: every
+// pair but float64 to float8, saturating only to float8.
+template <typename Target>
+constexpr bool kIsFloat8 =
+    std::is_same<Target, Float8E4M3FNTarget>::value || std::is_same<Target, Float8E5M2Target>::value;
+
 template <typename Src, typename Target>
-constexpr bool kHasAvx512Loop =
-    (std::is_same<Src, float>::value || std::is_same<Src, double>::value) &&
-    (std::is_same<Target, Float32Target>::value || std::is_same<Target, Float16Target>::value ||
-     std::is_same<Target, BFloat16Target>::value);
+constexpr bool kHasAvx512Loop = !(std::is_same<Src, double>::value && kIsFloat8<Target>);
 
 template <typename Src, typename Target>
 struct CastCpu {
@@ -93,8 +93,8 @@ struct CastCpu {
   static void run(State* st, const From* x, Storage* y, int lane, int64_t n, const CastOptions& o) {
 #ifdef TORCHCAST_HAVE_AVX512
     if constexpr (kHasAvx512Loop<Src, Target>) {
-      if (use_avx512() && !o.saturate && o.scale == nullptr) {
-        cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n);
+      if (use_avx512() && (kIsFloat8<Target> || !o.saturate) && o.scale == nullptr) {
+        cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate);
         return;
       }
     }

@@ -32,6 +32,13 @@
 //    subnormal result need the NaN rewrite, the masking of unmeasured error
 //    terms and the rare counts; a vector with none of them (the common case)
 //    skips that work.
+//  - 16-bit sources widen to float32 lanes exactly (vcvtph2ps, a shift) and
+//    then take the float32 path.
+//  - float8 targets (not from float64) round in vectors only where |x|
+//    lies in the format's normal range (Narrowed::kInRangeOnly); a vector
+//    with any other lane (subnormal or zero result, overflow, saturation,
+//    NaN, inf) takes ElementMeasure lane by lane, which is the portable
+//    loop's arithmetic, and so also serves saturate=True.
 // float32 sources go 16 elements per register; float64 sources 8 (one
 // register of float64 next to a half-width one of float32). A block keeps one
 // vector of lanes of the sums in registers across up to kRowBlock rows.
@@ -180,6 +187,7 @@ struct Narrowed;
 
 template <typename W>
 struct Narrowed<Float16Target, W> {
+  static constexpr bool kInRangeOnly = false;
   typename W::H bits;
   typename W::V back;
 
@@ -201,6 +209,7 @@ struct Narrowed<Float16Target, W> {
 
 template <typename W>
 struct Narrowed<BFloat16Target, W> {
+  static constexpr bool kInRangeOnly = false;
   typename W::I bits;  // in 32-bit lanes
   typename W::V back;
 
@@ -229,6 +238,7 @@ struct Narrowed<BFloat16Target, W> {
 
 template <typename W>
 struct Narrowed<Float32Target, W> {
+  static constexpr bool kInRangeOnly = false;
   typename W::V back;
 
   TC_AVX512_INLINE explicit Narrowed(typename W::V f) : back(f) {}
@@ -243,13 +253,46 @@ struct Narrowed<Float32Target, W> {
   }
 };
 
+// float8 from float32 lanes whose |f| lies in [min_normal, largest finite]
+// or is 0 (Source::rare flags every other lane, and the step then measures
+// the vector lane by lane): float8_bits_from_float's normal branch, whose
+// rounded magnitude, kept as float32 bits, is also the exact value back.
+template <typename F8>
+struct Narrowed<NarrowTarget<Float8Bits<F8>>, F32x16> {
+  static constexpr bool kInRangeOnly = true;
+  static constexpr int kShift = 23 - F8::kMant;
+  __m512i bits;  // in 32-bit lanes
+  __m512 back;
+
+  TC_AVX512_INLINE explicit Narrowed(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, kShift), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((1 << (kShift - 1)) - 1)), odd),
+        _mm512_set1_epi32(-(1 << kShift)));
+    back = _mm512_castsi512_ps(_mm512_or_si512(rounded, sign));
+    // Exponent rebiased; max with 0 keeps a zero x's bits 0.
+    const __m512i em = _mm512_max_epi32(
+        _mm512_sub_epi32(_mm512_srli_epi32(rounded, kShift), _mm512_set1_epi32((127 - F8::kBias) << F8::kMant)),
+        _mm512_setzero_si512());
+    bits = _mm512_or_si512(em, _mm512_srli_epi32(sign, 24));
+  }
+  TC_AVX512_INLINE void store(uint8_t* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(bits));
+  }
+};
+
 // One vector of source elements: x, the float32 f that the target rounds,
 // and ElementMeasure's error terms once the result is known.
 template <typename From, typename Target>
 struct Source;
 
+// 16 float32 lanes: float32 sources, and 16-bit ones widened exactly (the
+// Source specializations after it).
 template <typename Target>
-struct Source<float, Target> {
+struct F32Source {
   using W = F32x16;
   using V = W::V;
   V x;
@@ -259,7 +302,7 @@ struct Source<float, Target> {
 
   static constexpr bool kRoundsTwice = false;
 
-  TC_AVX512_INLINE explicit Source(const float* p) : x(W::loadu(p)) {}
+  TC_AVX512_INLINE explicit F32Source(V v) : x(v) {}
   TC_AVX512_INLINE V f() const { return x; }
   TC_AVX512_INLINE W::Mask double_rounding() const { return 0; }
   TC_AVX512_INLINE W::Mask measure(V back) {
@@ -268,16 +311,16 @@ struct Source<float, Target> {
     ax = W::abs(x);
     return W::cmp<_CMP_NEQ_UQ>(back, x);
   }
-  // Lanes that may need the rare work. To float16, from x alone (after
-  // measure): x is NaN or infinite, or |x| lies outside [float16's smallest
-  // normal, its largest finite value], where the result may be subnormal,
-  // zero, inf or saturated; x = +-0 excepted, which casts exactly. On the
-  // bits: a zero is moved into the window, then one unsigned compare tests
-  // it. Measured on one thread, in cache, this costs 0.195 ns an element
-  // where Narrowed's test of the result costs 0.22; to bfloat16 it is the
-  // other way round (0.205 against 0.195).
+  // Lanes that may need the rare work. To float16 and float8, from x alone
+  // (after measure): x is NaN or infinite, or |x| lies outside [Target's
+  // smallest normal, its largest finite value], where the result may be
+  // subnormal, zero, inf or saturated; x = +-0 excepted, which casts
+  // exactly. On the bits: a zero is moved into the window, then one unsigned
+  // compare tests it. Measured on one thread, in cache, this costs 0.195 ns
+  // an element to float16 where Narrowed's test of the result costs 0.22;
+  // to bfloat16 it is the other way round (0.205 against 0.195).
   TC_AVX512_INLINE W::Mask rare(const Narrowed<Target, W>& y, W::Mask ne) const {
-    if constexpr (!std::is_same<Target, Float16Target>::value) {
+    if constexpr (std::is_same<Target, BFloat16Target>::value) {
       return y.rare(ne);
     } else {
       const __m512i lo = _mm512_set1_epi32(bit_cast<int32_t>(Target::min_normal));
@@ -313,12 +356,14 @@ struct Source<float, Target> {
   // l + 8 .. l + 15 of each array.
   struct Sums {
     __m512d v[kNumSumArrays][2];
-    TC_AVX512_INLINE void load(const double (*sums)[LaneState<float>::kLanes], int l) {
+    template <int kLanes>
+    TC_AVX512_INLINE void load(const double (*sums)[kLanes], int l) {
       for (int p = 0; p < kNumSumArrays; ++p) {
         for (int h = 0; h < 2; ++h) v[p][h] = _mm512_load_pd(sums[p] + l + 8 * h);
       }
     }
-    TC_AVX512_INLINE void store(double (*sums)[LaneState<float>::kLanes], int l) const {
+    template <int kLanes>
+    TC_AVX512_INLINE void store(double (*sums)[kLanes], int l) const {
       for (int p = 0; p < kNumSumArrays; ++p) {
         for (int h = 0; h < 2; ++h) _mm512_store_pd(sums[p] + l + 8 * h, v[p][h]);
       }
@@ -344,6 +389,25 @@ struct Source<float, Target> {
       }
     }
   }
+};
+
+template <typename Target>
+struct Source<float, Target> : F32Source<Target> {
+  TC_AVX512_INLINE explicit Source(const float* p) : F32Source<Target>(_mm512_loadu_ps(p)) {}
+};
+
+// 16-bit sources: vcvtph2ps and a shift widen exactly, as SourceFormat does.
+template <typename Target>
+struct Source<Float16Target, Target> : F32Source<Target> {
+  TC_AVX512_INLINE explicit Source(const uint16_t* p)
+      : F32Source<Target>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))) {}
+};
+
+template <typename Target>
+struct Source<BFloat16Target, Target> : F32Source<Target> {
+  TC_AVX512_INLINE explicit Source(const uint16_t* p)
+      : F32Source<Target>(_mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))) {}
 };
 
 // float64 sources, 8 elements. An exact shortcut over ElementMeasure: f is
@@ -426,10 +490,12 @@ struct Source<double, Target> {
   // One vector of lanes of the plain float64 sums (SumArray order).
   struct Sums {
     __m512d v[kNumSumArrays];
-    TC_AVX512_INLINE void load(const double (*sums)[LaneState<double>::kLanes], int l) {
+    template <int kLanes>
+    TC_AVX512_INLINE void load(const double (*sums)[kLanes], int l) {
       for (int p = 0; p < kNumSumArrays; ++p) v[p] = _mm512_load_pd(sums[p] + l);
     }
-    TC_AVX512_INLINE void store(double (*sums)[LaneState<double>::kLanes], int l) const {
+    template <int kLanes>
+    TC_AVX512_INLINE void store(double (*sums)[kLanes], int l) const {
       for (int p = 0; p < kNumSumArrays; ++p) _mm512_store_pd(sums[p] + l, v[p]);
     }
   };
@@ -443,8 +509,11 @@ struct Source<double, Target> {
   }
 };
 
+// From: the source's element type, or the Target naming a 16-bit source
+// (SourceFormat); In: how x is stored.
 template <typename From, typename Target>
 struct Kernel {
+  using In = typename SourceFormat<From>::storage;
   using Storage = typename Target::storage;
   using State = LaneState<From>;
   using Src = Source<From, Target>;
@@ -456,25 +525,77 @@ struct Kernel {
   static constexpr int kLanes = State::kLanes;
   static constexpr int kYLine = 64 / sizeof(Storage);  // elements of y per cache line
   static_assert(kLanes % kWidth == 0, "lanes come in whole vectors");
-  static_assert(kWidth * sizeof(From) == 64, "a vector of x is a cache line");
+  static_assert(kWidth * sizeof(In) <= 64, "a vector of x fits a cache line");
 
   struct Acc {
-    uint64_t nan, inf, ne, overflow, underflow, subnormal;
+    uint64_t nan, inf, ne, overflow, saturated, underflow, subnormal;
     typename Src::Maxima max;
 
-    TC_AVX512_INLINE Acc() : nan(0), inf(0), ne(0), overflow(0), underflow(0), subnormal(0) {}
+    TC_AVX512_INLINE Acc()
+        : nan(0), inf(0), ne(0), overflow(0), saturated(0), underflow(0), subnormal(0) {}
   };
+
+  // One vector measured lane by lane with ElementMeasure (what the portable
+  // loop computes), for the vectors Narrowed cannot round (kInRangeOnly):
+  // y, the counts and the maxima lane by lane, then the terms added to the
+  // sums in vector order. Lanes of a partial vector outside the step hold
+  // x = 0, whose terms are +0 and leave every sum as it is.
+  static TC_AVX512_INLINE void by_element(const In* xp, Storage* yp, bool saturate, Sums& s, Acc& acc) {
+    alignas(64) float abs[kWidth], rel[kWidth], amax[kWidth];
+    alignas(64) double terms[kNumSumArrays][kWidth];
+    for (int j = 0; j < kWidth; ++j) {
+      const ElementMeasure<Target, float, double> m(SourceFormat<From>::widen(xp[j]), saturate);
+      yp[j] = m.y;
+      acc.nan += m.nan;
+      acc.inf += m.inf;
+      acc.ne += m.inexact + m.nan;  // y != x, as the vector path counts it
+      acc.overflow += m.overflow;
+      acc.saturated += m.saturated;
+      acc.underflow += m.underflow;
+      acc.subnormal += m.subnormal;
+      abs[j] = m.abs_err;
+      rel[j] = m.rel_err;
+      amax[j] = m.amax;
+      terms[kAbs][j] = m.abs_err;
+      terms[kSqErr][j] = m.sq_err;
+      terms[kSq][j] = m.sq;
+    }
+    acc.max.abs = W::max(W::load(abs), acc.max.abs);
+    acc.max.rel = W::max(W::load(rel), acc.max.rel);
+    acc.max.amax = W::max(W::load(amax), acc.max.amax);
+    for (int p = 0; p < kNumSumArrays; ++p) {
+      for (int h = 0; h < 2; ++h) s.v[p][h] = _mm512_add_pd(s.v[p][h], _mm512_load_pd(terms[p] + 8 * h));
+    }
+  }
 
   // One vector of elements into the sums s. With kMasked only the lanes in
   // `lanes` take the step; the others must hold x = 0, which counts nothing
   // and leaves the maxima alone.
   template <bool kMasked>
-  static TC_AVX512_INLINE void step(const From* xp, Storage* yp, Mask lanes, Sums& s, Acc& acc) {
+  static TC_AVX512_INLINE void step(const In* xp, Storage* yp, Mask lanes, bool saturate, Sums& s,
+                                    Acc& acc) {
     Src src(xp);
     Narrowed<Target, W> y(src.f());
     Mask ne = src.measure(y.back);
     const Mask rare = src.rare(y, ne);
     if (__builtin_expect(rare != 0, 0)) {
+      if constexpr (Narrowed<Target, W>::kInRangeOnly) {
+        by_element(xp, yp, saturate, s, acc);
+        return;
+      } else {
+        rare_lanes(src, y, ne, acc);
+      }
+    }
+    y.store(yp);
+    acc.ne += count(ne);
+    src.maxima(acc.max, ne, rare != 0);
+    src.template add_to<kMasked>(s, lanes);
+  }
+
+  // The vector path's rare work: NaN, infinite, overflowing, underflowing
+  // and subnormal lanes, counted, and their unmeasured terms zeroed.
+  static TC_AVX512_INLINE void rare_lanes(Src& src, Narrowed<Target, W>& y, Mask& ne, Acc& acc) {
+    {
       if constexpr (Src::kRoundsTwice) {
         src.round_to_odd();
         y = Narrowed<Target, W>(src.f());
@@ -490,16 +611,12 @@ struct Kernel {
       acc.underflow += count(ne & zero);
       acc.subnormal += count(y.subnormal(zero));
     }
-    y.store(yp);
-    acc.ne += count(ne);
-    src.maxima(acc.max, ne, rare != 0);
-    src.template add_to<kMasked>(s, lanes);
   }
 
   // Rows [0, rows) of lanes [l0, l1) (whole vectors): x and y point at lane
   // l0 of the first row.
-  static TC_AVX512_INLINE void block(State* st, const From* x, Storage* y, int l0, int l1, int rows,
-                                     Acc& acc_io) {
+  static TC_AVX512_INLINE void block(State* st, const In* x, Storage* y, int l0, int l1, int rows,
+                                     bool saturate, Acc& acc_io) {
     Acc acc = acc_io;
     for (int l = l0; l < l1; l += kWidth) {
       Sums s;
@@ -508,7 +625,7 @@ struct Kernel {
         const int64_t at = static_cast<int64_t>(r) * kLanes + (l - l0);
         prefetch(x + at, 0, kLanes * kRowBlock);  // one vector of x is one cache line
         if (l % kYLine == 0) prefetch(y + at, 1, kLanes * kRowBlock);
-        step<false>(x + at, y + at, static_cast<Mask>(~0u), s, acc);
+        step<false>(x + at, y + at, static_cast<Mask>(~0u), saturate, s, acc);
       }
       s.store(st->sums, l);
     }
@@ -516,7 +633,9 @@ struct Kernel {
   }
 
   // Casts n contiguous elements, the first of which falls in lane `lane`.
-  static TC_AVX512 void run(State* st, const From* x, Storage* y, int lane, int64_t n) {
+  // saturate: for Targets whose vectors Narrowed rounds only in range (the
+  // others take the portable loop when saturating).
+  static TC_AVX512 void run(State* st, const In* x, Storage* y, int lane, int64_t n, bool saturate) {
     Acc acc;
     while (n > 0) {
       const int off = lane % kWidth;
@@ -524,23 +643,23 @@ struct Kernel {
       if (off != 0 || n < kWidth) {
         // A partial vector, through zero-padded buffers.
         const int k = static_cast<int>(std::min<int64_t>(kWidth - off, n));
-        alignas(64) From xb[kWidth] = {};
+        alignas(64) In xb[kWidth] = {};
         alignas(64) Storage yb[kWidth];
-        std::memcpy(xb + off, x, sizeof(From) * k);
+        std::memcpy(xb + off, x, sizeof(In) * k);
         Sums s;
         s.load(st->sums, lane - off);
-        step<true>(xb, yb, static_cast<Mask>(((1u << k) - 1u) << off), s, acc);
+        step<true>(xb, yb, static_cast<Mask>(((1u << k) - 1u) << off), saturate, s, acc);
         s.store(st->sums, lane - off);
         std::memcpy(y, yb + off, sizeof(Storage) * k);
         done = k;
       } else if (lane == 0 && n >= kLanes) {
         const int rows = static_cast<int>(std::min<int64_t>(n / kLanes, kRowBlock));
-        block(st, x, y, 0, kLanes, rows, acc);
+        block(st, x, y, 0, kLanes, rows, saturate, acc);
         done = static_cast<int64_t>(rows) * kLanes;
       } else {
         const int64_t whole = n - n % kWidth;
         const int end = static_cast<int>(std::min<int64_t>(kLanes, lane + whole));
-        block(st, x, y, lane, end, 1, acc);
+        block(st, x, y, lane, end, 1, saturate, acc);
         done = end - lane;
       }
       x += done;
@@ -552,6 +671,7 @@ struct Kernel {
     st->counts.inf += static_cast<int64_t>(acc.inf);
     st->counts.inexact += static_cast<int64_t>(acc.ne - acc.nan);
     st->counts.overflow += static_cast<int64_t>(acc.overflow);
+    st->counts.saturated += static_cast<int64_t>(acc.saturated);
     st->counts.underflow += static_cast<int64_t>(acc.underflow);
     st->counts.subnormal += static_cast<int64_t>(acc.subnormal);
     acc.max.fold_into(st->max_abs, st->max_rel, st->amax);

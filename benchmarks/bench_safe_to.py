@@ -1,0 +1,71 @@
+"""safe_to(x, dtype, policy="record") against x.to(dtype) on one thread, for
+every lossy pair, at the sizes models cast (2^10, 2^18 in cache, 2^22), as
+benchmarks/README.md asks: one process, both interleaved round by round,
+medians and the median of the per-round ratios, a one-thread float32 copy's
+bandwidth at 2^22 measured in the same rounds, the load average recorded.
+
+    python benchmarks/bench_safe_to.py [--rounds 11]
+
+Prints a markdown table and writes it to benchmarks/results/safe_to_cpu.md.
+"""
+import argparse
+import os
+import statistics
+
+import torch
+
+import protocol
+import torchcast
+from bench_cast import Timer, inner_calls, run_rounds
+from torchcast._reference.cast import LOSSY_PAIRS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = (1 << 10, 1 << 18, 1 << 22)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=11, help="interleaved rounds per measurement")
+    protocol.add_arguments(ap)
+    args = ap.parse_args()
+    run = protocol.Run(args.force)
+    torch.set_num_threads(1)
+    timer = Timer(torch.device("cpu"))
+    command = "python benchmarks/bench_safe_to.py" + (
+        f" --rounds {args.rounds}" if args.rounds != 11 else "")
+    print(f"# {command}", flush=True)
+
+    src32 = torch.randn(SIZES[-1])
+    dst32 = torch.empty_like(src32)
+    header = ("| pair | " + " | ".join(f"2^{n.bit_length() - 1}: x.to, safe_to, ratio" for n in SIZES)
+              + " |")
+    lines = [header, "|---|" + "---:|" * len(SIZES)]
+    bandwidths = []
+    for src, dst in LOSSY_PAIRS:
+        cells = []
+        for n in SIZES:
+            x = (torch.randn(n, dtype=torch.float64) * 100).to(src)
+            cases = {
+                "to": lambda: x.to(dst),
+                "safe_to": lambda: torchcast.safe_to(x, dst, policy="record"),
+                "copy32": lambda: dst32.copy_(src32),
+            }
+            inner = {k: inner_calls(timer, f, 2e-3) for k, f in cases.items()}  # also warms up
+            t = run_rounds(timer, cases, args.rounds, inner)
+            ratio = statistics.median(a / b for a, b in zip(t["safe_to"], t["to"]))
+            bandwidths.append(2 * src32.numel() * 4 / statistics.median(t["copy32"]) / 1e9)
+            cells.append(f"{statistics.median(t['to']) * 1e6:,.1f} µs, "
+                         f"{statistics.median(t['safe_to']) * 1e6:,.1f} µs, **{ratio:.2f}x**")
+        lines.append(f"| {str(src)[6:]} → {str(dst)[6:]} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    run.copy_bandwidth(min(bandwidths), 1, 2 * 4 * src32.numel())
+    text = (f"`{command}` — {protocol.cpu_name()}, torch {torch.__version__}, one thread, "
+            f"{args.rounds} interleaved rounds, medians (ratio: median of the per-round ratios); "
+            f"{run.summary()}\n\n" + "\n".join(lines) + "\n")
+    print()
+    print(text)
+    run.write(os.path.join(HERE, "results", "safe_to_cpu.md"), text)
+
+
+if __name__ == "__main__":
+    main()
