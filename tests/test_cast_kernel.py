@@ -87,6 +87,20 @@ def check(x, dst, out=None):
 KINDS = ("normal", "wide", "bits", "midpoints", "specials")
 
 
+@pytest.mark.parametrize("src,dst", [p for p in PAIRS if p[1].itemsize == 1],
+                         ids=[i for p, i in zip(PAIRS, PAIR_IDS) if p[1].itemsize == 1])
+@pytest.mark.parametrize("scale", [3.7, 2.0 ** -12, 448.0, 448.0 / 496.0])
+def test_scaled_float8_against_the_reference(src, dst, scale):
+    g = torch.Generator().manual_seed(6)
+    for n in (15, 16, 17, 513, 65536 + 300):
+        for kind in KINDS:
+            x = data(n, src, kind, g)
+            for saturate in (False, True):
+                y, s = OP(x, dst, torch.tensor(scale), saturate=saturate)
+                yr, sr = cast_ref.cast_with_stats(x, dst, saturate=saturate, scale=torch.tensor(scale))
+                assert same(y, yr) and same(s, sr), (kind, n, saturate)
+
+
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
 def test_sizes_across_vector_row_and_chunk_edges(src, dst):
     g = torch.Generator().manual_seed(1)
@@ -139,18 +153,22 @@ def test_portable_loop_matches_avx512(tmp_path):
         pytest.skip("this CPU has no AVX-512 (or ATen does not use it): only the portable loop runs here")
     g = torch.Generator().manual_seed(5)
     cases = []
+    # float8 targets take the AVX-512 loop when saturating and scaled too
+    # (a scale past 2^100 takes the portable one on both sides).
+    scales = [None, torch.tensor(3.7), torch.tensor(2.0 ** -12), torch.tensor(1e35)]
     for src, dst in PAIRS:
         x = torch.cat([data(20_000 + 17 * i, src, kind, g) for i, kind in enumerate(KINDS)])
-        # float8 targets take the AVX-512 loop when saturating too.
-        for saturate in (None, False, True) if dst.itemsize == 1 else (None,):
-            cases.append((x, dst, saturate))
-            cases.append((x.view(-1)[5:].view(-1, 5)[:, 1:4], dst, saturate))  # strided
+        options = ([(sat, scale) for sat in (None, False, True) for scale in scales]
+                   if dst.itemsize == 1 else [(None, None)])
+        for saturate, scale in options:
+            cases.append((x, dst, saturate, scale))
+            cases.append((x.view(-1)[5:].view(-1, 5)[:, 1:4], dst, saturate, scale))  # strided
     torch.save(cases, tmp_path / "cases.pt")
     script = textwrap.dedent("""
         import sys, torch, torchcast
         cases = torch.load(sys.argv[1])
         assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
-        torch.save([torch.ops.torchcast.cast_with_stats(x, d, saturate=s) for x, d, s in cases],
+        torch.save([torch.ops.torchcast.cast_with_stats(x, d, c, saturate=s) for x, d, s, c in cases],
                    sys.argv[2])
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(torchcast.__file__)))
@@ -159,6 +177,6 @@ def test_portable_loop_matches_avx512(tmp_path):
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True)
     portable = torch.load(tmp_path / "out.pt")
-    for (x, dst, saturate), (y, s) in zip(cases, portable):
-        y2, s2 = OP(x, dst, saturate=saturate)
-        assert same(y, y2) and same(s, s2), (x.dtype, dst, saturate)
+    for (x, dst, saturate, scale), (y, s) in zip(cases, portable):
+        y2, s2 = OP(x, dst, scale, saturate=saturate)
+        assert same(y, y2) and same(s, s2), (x.dtype, dst, saturate, scale)

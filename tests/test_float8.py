@@ -327,17 +327,43 @@ def test_scaled_float64_rounds_the_exact_product_once(dst, scale):
 @pytest.mark.parametrize("dst", FLOAT8, ids=str)
 def test_scaled_narrow_sources_match_ml_dtypes_on_the_exact_product(src, dst):
     """float32 and 16-bit x times a float32 scale is exact in float64, where
-    ml_dtypes rounds it once: every 16-bit value, or random float32 ones."""
+    ml_dtypes rounds it once: every 16-bit value, or random float32 ones.
+    448 / 496 (amax_scale's for a bfloat16 amax of 496) puts hundreds of
+    bfloat16 products' nearest float32 exactly halfway between two float8
+    values while the exact product is not."""
     if src == torch.float32:
         x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 50
     else:
         x = every_16bit_value(src)
-    for scale in (0.37, 2.0 ** -5, 11.0):
+    for scale in (0.37, 2.0 ** -5, 11.0, 448 / 496):
         s = torch.tensor(scale, dtype=torch.float32)
         exact = (to_numpy(x).astype(np.float64) * np.float64(s.item()))
         for sat in (False, True):
             y, _ = OP(x, dst, scale=s, saturate=sat)
             assert_same_values(y, ml_round(exact, dst, sat))
+
+
+@pytest.mark.parametrize("dst", FLOAT8, ids=str)
+def test_scaled_products_next_to_halfway_points(dst):
+    """float32 x = m / scale (rounded) for every halfway point m between
+    float8 values: the float32 nearest to x * scale is often m itself while
+    the exact product is not, and rounding that float32 to nearest even goes
+    the wrong way for about half of those. Against ml_dtypes on the exact
+    product, over 40 scales."""
+    values = np.unique(np.abs(to_numpy(every_float8_value(dst)).astype(np.float64)))
+    values = values[np.isfinite(values)]
+    mids = (values[1:] + values[:-1]) / 2
+    mids = np.concatenate([mids, -mids])
+    tricky = 0
+    for scale in np.random.default_rng(4).uniform(0.1, 10, 40).astype(np.float32):
+        x = torch.from_numpy((mids / np.float64(scale)).astype(np.float32))
+        exact = x.double().numpy() * np.float64(scale)
+        nearest = (x * torch.tensor(scale)).double().numpy()
+        tricky += int(((nearest == mids) & (exact != mids)).sum())
+        for sat in (False, True):
+            y, _ = OP(x, dst, scale=torch.tensor(scale), saturate=sat)
+            assert_same_values(y, ml_round(exact, dst, sat))
+    assert tricky > 1000
 
 
 @pytest.mark.parametrize("src", [torch.float64, torch.float32, torch.bfloat16])

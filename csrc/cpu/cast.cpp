@@ -73,8 +73,9 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
   st->counts.add(counts);
 }
 
-// Whether the AVX-512 loop (cast_avx512.h) covers the pair, unscaled: every
-// pair but float64 to float8, saturating only to float8.
+// Whether the AVX-512 loop (cast_avx512.h) covers the pair: every pair but
+// float64 to float8; saturating or scaled, only to float8 (with a scale in
+// [2^-100, 2^100]).
 template <typename Target>
 constexpr bool kIsFloat8 =
     std::is_same<Target, Float8E4M3FNTarget>::value || std::is_same<Target, Float8E5M2Target>::value;
@@ -93,8 +94,9 @@ struct CastCpu {
   static void run(State* st, const From* x, Storage* y, int lane, int64_t n, const CastOptions& o) {
 #ifdef TORCHCAST_HAVE_AVX512
     if constexpr (kHasAvx512Loop<Src, Target>) {
-      if (use_avx512() && (kIsFloat8<Target> || !o.saturate) && o.scale == nullptr) {
-        cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate);
+      if (use_avx512() && (kIsFloat8<Target> || (!o.saturate && o.scale == nullptr)) &&
+          (o.scale == nullptr || (*o.scale >= 0x1p-100f && *o.scale <= 0x1p100f))) {
+        cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate, o.scale);
         return;
       }
     }
