@@ -118,6 +118,10 @@ TC_AVX512_INLINE uint64_t count(uint32_t mask) {
   TC_AVX512_INLINE static V maskz_mov(Mask k, V a) { return P##_maskz_mov_ps(k, a); }           \
   template <int kPred>                                                                           \
   TC_AVX512_INLINE static Mask cmp(V a, V b) { return P##_cmp_ps_mask(a, b, kPred); }           \
+  template <int kPred>                                                                           \
+  TC_AVX512_INLINE static Mask mask_cmp(Mask k, V a, V b) {                                      \
+    return P##_mask_cmp_ps_mask(k, a, b, kPred);                                                 \
+  }                                                                                              \
   template <int kClass>                                                                          \
   TC_AVX512_INLINE static Mask fpclass(V a) { return P##_fpclass_ps_mask(a, kClass); }          \
                                                                                                  \
@@ -254,9 +258,11 @@ struct Narrowed<Float32Target, W> {
 };
 
 // float8 from float32 lanes whose |f| lies in [min_normal, largest finite]
-// or is 0 (Source::rare flags every other lane, and the step then measures
-// the vector lane by lane): float8_bits_from_float's normal branch, whose
-// rounded magnitude, kept as float32 bits, is also the exact value back.
+// or is 0 (Source::rare flags every other lane): float8_bits_from_float's
+// normal branch, whose rounded magnitude, kept as float32 bits, is also the
+// exact value back; and its subnormal branch for the lanes subnormals()
+// names. A vector with a NaN, infinite or too large lane is measured lane by
+// lane instead.
 template <typename F8>
 struct Narrowed<NarrowTarget<Float8Bits<F8>>, F32x16> {
   static constexpr bool kInRangeOnly = true;
@@ -278,6 +284,21 @@ struct Narrowed<NarrowTarget<Float8Bits<F8>>, F32x16> {
         _mm512_sub_epi32(_mm512_srli_epi32(rounded, kShift), _mm512_set1_epi32((127 - F8::kBias) << F8::kMant)),
         _mm512_setzero_si512());
     bits = _mm512_or_si512(em, _mm512_srli_epi32(sign, 24));
+  }
+  // The lanes in `small` (|f| < min_normal) rounded at the subnormal spacing
+  // 2^(1 - kBias - kMant): adding a float whose ulp that is rounds |f| to
+  // nearest even, the sum's bits minus the float's count the spacings, and
+  // subtracting it back is exact.
+  TC_AVX512_INLINE void subnormals(__m512 f, __mmask16 small) {
+    const __m512i magic_bits = _mm512_set1_epi32((151 - F8::kBias - F8::kMant) << 23);
+    const __m512 magic = _mm512_castsi512_ps(magic_bits);
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m512 sum = _mm512_add_ps(_mm512_abs_ps(f), magic);
+    const __m512i em = _mm512_sub_epi32(_mm512_castps_si512(sum), magic_bits);
+    const __m512 mag = _mm512_sub_ps(sum, magic);
+    back = _mm512_mask_mov_ps(back, small, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)));
+    bits = _mm512_mask_mov_epi32(bits, small, _mm512_or_si512(em, _mm512_srli_epi32(sign, 24)));
   }
   TC_AVX512_INLINE void store(uint8_t* p) const {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(bits));
@@ -358,6 +379,11 @@ struct F32Source {
       const __m512i moved = _mm512_ternarylogic_epi32(mag, zero, lo, 0xf8);  // mag | (zero & lo)
       return _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(moved, lo), _mm512_sub_epi32(hi, lo));
     }
+  }
+  // Lanes whose |f| exceeds Target's largest finite value, or is NaN.
+  TC_AVX512_INLINE W::Mask beyond() const {
+    return _mm512_cmpgt_epu32_mask(W::bits(W::abs(fv)),
+                                   _mm512_set1_epi32(bit_cast<int32_t>(Target::widen(Target::largest(false)))));
   }
   TC_AVX512_INLINE W::Mask x_inf() const { return W::template fpclass<kClassInf>(x); }
   TC_AVX512_INLINE void mask_unmeasured() {
@@ -621,8 +647,19 @@ struct Kernel {
     const Mask rare = src.rare(y, ne);
     if (__builtin_expect(rare != 0, 0)) {
       if constexpr (Narrowed<Target, W>::kInRangeOnly) {
-        by_element(xp, yp, o, s, acc);
-        return;
+        // Below the normal range only, and unscaled (f = x, rounded once):
+        // subnormal and zero results in vectors; anything else lane by lane.
+        if (kScaled || src.beyond() != 0) {
+          by_element(xp, yp, o, s, acc);
+          return;
+        }
+        y.subnormals(src.f(), rare);
+        ne = src.measure(y.back);
+        const Mask zero = W::template fpclass<kClassZero>(y.back);
+        acc.underflow += count(rare & zero);
+        // (|f| just below the smallest normal rounds up to it.)
+        acc.subnormal += count(W::template mask_cmp<_CMP_LT_OQ>(rare & ~zero, W::abs(y.back),
+                                                                W::set1(Target::min_normal)));
       } else {
         rare_lanes(src, y, ne, acc);
       }
