@@ -90,7 +90,7 @@ def has_kernel(op, device):
 
 def device_type(x):
     """x's device type: x.is_cpu first, as reading x.device.type costs about
-    0.3 µs, a tenth of a small cast."""
+    0.2 µs, a tenth of a small cast."""
     return "cpu" if x.is_cpu else x.device.type
 
 
