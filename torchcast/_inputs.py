@@ -9,6 +9,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _STRIDED = torch.strided
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+# The tensors the trackers measure as they are: other subclasses (FakeTensor,
+# FunctionalTensor, DTensor) pass through them, their own dispatch reaching
+# the plain tensors inside.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 _LAYOUT_ADVICE = {
     torch.sparse_coo: "call .to_dense() first",

@@ -386,6 +386,7 @@ struct F32Source {
                                    _mm512_set1_epi32(bit_cast<int32_t>(Target::widen(Target::largest(false)))));
   }
   TC_AVX512_INLINE W::Mask x_inf() const { return W::template fpclass<kClassInf>(x); }
+  // Zeroes the error terms where x or y is not finite, and |x| where x is not.
   TC_AVX512_INLINE void mask_unmeasured() {
     const W::Mask measured = W::cmp<_CMP_LT_OQ>(t, W::set1(std::numeric_limits<float>::infinity()));
     t = W::maskz_mov(measured, t);
@@ -673,22 +674,20 @@ struct Kernel {
   // The vector path's rare work: NaN, infinite, overflowing, underflowing
   // and subnormal lanes, counted, and their unmeasured terms zeroed.
   static TC_AVX512_INLINE void rare_lanes(Src& src, Narrowed<Target, W>& y, Mask& ne, Acc& acc) {
-    {
-      if constexpr (Src::kRoundsTwice) {
-        src.round_to_odd();
-        y = Narrowed<Target, W>(src.f());
-        ne = src.measure(y.back);
-      }
-      const Mask nan = W::template cmp<_CMP_UNORD_Q>(src.f(), src.f());
-      y.fix_nans(nan);
-      src.mask_unmeasured();
-      const Mask zero = W::template fpclass<kClassZero>(y.back);
-      acc.nan += count(nan);
-      acc.inf += count(src.x_inf());
-      acc.overflow += count(ne & W::template fpclass<kClassInf>(y.back));
-      acc.underflow += count(ne & zero);
-      acc.subnormal += count(y.subnormal(zero));
+    if constexpr (Src::kRoundsTwice) {
+      src.round_to_odd();
+      y = Narrowed<Target, W>(src.f());
+      ne = src.measure(y.back);
     }
+    const Mask nan = W::template cmp<_CMP_UNORD_Q>(src.f(), src.f());
+    y.fix_nans(nan);
+    src.mask_unmeasured();
+    const Mask zero = W::template fpclass<kClassZero>(y.back);
+    acc.nan += count(nan);
+    acc.inf += count(src.x_inf());
+    acc.overflow += count(ne & W::template fpclass<kClassInf>(y.back));
+    acc.underflow += count(ne & zero);
+    acc.subnormal += count(y.subnormal(zero));
   }
 
   // Rows [0, rows) of lanes [l0, l1) (whole vectors): x and y point at lane
@@ -702,7 +701,7 @@ struct Kernel {
       s.load(st->sums, l);
       for (int r = 0; r < rows; ++r) {
         const int64_t at = static_cast<int64_t>(r) * kLanes + (l - l0);
-        prefetch(x + at, 0, kLanes * kRowBlock);  // one vector of x is one cache line
+        prefetch(x + at, 0, kLanes * kRowBlock);  // a vector of x lies in one cache line
         if (l % kYLine == 0) prefetch(y + at, 1, kLanes * kRowBlock);
         step<false, kScaled>(x + at, y + at, static_cast<Mask>(~0u), o, s, acc);
       }

@@ -17,13 +17,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .._inputs import PLAIN_TENSOR_TYPES
 from ..headroom import FORMATS, Headroom, headroom
 from ..health import TensorHealth, tensor_health
 from ..stats import short_dtype_name
 from .modules import add_output_listener, remove_output_listener
 from .nonfinite import unwatched
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 PHASES = ("forward", "backward")
 
 
@@ -100,7 +100,7 @@ class HealthWatch:
         if not self.active:
             return
         for t in tree_flatten(output)[0]:
-            if type(t) not in _PLAIN_TYPES or not t.is_floating_point() or t.numel() == 0:
+            if type(t) not in PLAIN_TENSOR_TYPES or not t.is_floating_point() or t.numel() == 0:
                 continue
             last = self._last
             if last is not None and last[0]() is t and last[1] == t._version:

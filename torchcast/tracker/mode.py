@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _ops
+from .._inputs import PLAIN_TENSOR_TYPES
 from ..stats import PendingStats
 from .diagnose import note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
@@ -37,7 +38,6 @@ _COPY = aten.copy.default
 _CAST_IDS = frozenset(map(id, (_TO_COPY, _COPY_, _COPY)))
 _OpOverload = torch._ops.OpOverload
 _Tensor, _FLOAT64 = torch.Tensor, torch.float64
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor) pass through
 
 _local = threading.local()
 
@@ -158,7 +158,7 @@ def _tracked_cast(recorders, func, args, kwargs):
     else:
         dst, src = args[0], args[1]
         dtype = dst.dtype
-    if (dtype is None or dtype == src.dtype or type(src) not in _PLAIN_TYPES
+    if (dtype is None or dtype == src.dtype or type(src) not in PLAIN_TENSOR_TYPES
             or src.device.type == "meta" or torch.compiler.is_compiling()):
         return func(*args, **kwargs)
     where = locate_cast(sys._getframe(1), src, copy=dst is not None)

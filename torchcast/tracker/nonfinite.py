@@ -31,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import _ops
+from .._inputs import PLAIN_TENSOR_TYPES
 from .diagnose import op_name
 from .modules import current_module, module_of_node
 from .sites import short_path, user_site
@@ -38,7 +39,6 @@ from .sites import short_path, user_site
 ACTIONS = ("raise", "record", "warn")
 PENDING_LIMIT = 256
 _CAST_WITH_STATS = torch.ops.torchcast.cast_with_stats.default
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 # Ops not checked: those whose outputs are uninitialized memory (any bits,
 # NaN among them) or relabel their input's memory, and those that only move,
 # select or zero values (or fill in a Python number, which is an input): their
@@ -173,7 +173,7 @@ def _op_kind(func) -> str:
 
 
 def _floating(t):
-    return type(t) in _PLAIN_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
+    return type(t) in PLAIN_TENSOR_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 
 def _bad(values: Sequence[Any]) -> bool:

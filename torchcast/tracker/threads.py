@@ -30,10 +30,10 @@ from typing import List, Optional
 import torch
 
 from .. import _ops
+from .._inputs import PLAIN_TENSOR_TYPES
 from .mode import CastRecorder, locate_cast, report_cast
 from .report import Report
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _lock = threading.Lock()
 _recorders: List[CastRecorder] = []
 
@@ -41,7 +41,7 @@ _recorders: List[CastRecorder] = []
 def _other_thread_cast(src: torch.Tensor, out: torch.Tensor) -> None:
     """Called, with the GIL, after a cast in a thread no track's mode covers."""
     recorders = list(_recorders)
-    if not recorders or type(src) not in _PLAIN_TYPES or src.device.type == "meta":
+    if not recorders or type(src) not in PLAIN_TENSOR_TYPES or src.device.type == "meta":
         return
     where = locate_cast(sys._getframe(1), src, copy=False)
     if where is not None:
