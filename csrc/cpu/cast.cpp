@@ -73,15 +73,21 @@ TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
   st->counts.add(counts);
 }
 
-// Whether the AVX-512 loop (cast_avx512.h) covers the pair: every pair but
-// float64 to float8; saturating or scaled, only to float8 (with a scale in
-// [2^-100, 2^100]).
+// What the AVX-512 loop (cast_avx512.h) covers beyond plain casts of every
+// pair: saturating and scaled casts to float8 (scaled ones not from float64,
+// with a scale in [2^-100, 2^100]).
 template <typename Target>
 constexpr bool kIsFloat8 =
     std::is_same<Target, Float8E4M3FNTarget>::value || std::is_same<Target, Float8E5M2Target>::value;
 
 template <typename Src, typename Target>
-constexpr bool kHasAvx512Loop = !(std::is_same<Src, double>::value && kIsFloat8<Target>);
+bool avx512_covers(const CastOptions& o) {
+  if (o.scale != nullptr) {
+    return kIsFloat8<Target> && !std::is_same<Src, double>::value && *o.scale >= 0x1p-100f &&
+           *o.scale <= 0x1p100f;
+  }
+  return kIsFloat8<Target> || !o.saturate;
+}
 
 template <typename Src, typename Target>
 struct CastCpu {
@@ -93,12 +99,9 @@ struct CastCpu {
   // n contiguous elements, the first in lane `lane`.
   static void run(State* st, const From* x, Storage* y, int lane, int64_t n, const CastOptions& o) {
 #ifdef TORCHCAST_HAVE_AVX512
-    if constexpr (kHasAvx512Loop<Src, Target>) {
-      if (use_avx512() && (kIsFloat8<Target> || (!o.saturate && o.scale == nullptr)) &&
-          (o.scale == nullptr || (*o.scale >= 0x1p-100f && *o.scale <= 0x1p100f))) {
-        cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate, o.scale);
-        return;
-      }
+    if (use_avx512() && avx512_covers<Src, Target>(o)) {
+      cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate, o.scale);
+      return;
     }
 #endif
     const float scale = o.scale != nullptr ? *o.scale : 1.f;

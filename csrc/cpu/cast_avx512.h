@@ -34,11 +34,14 @@
 //    skips that work.
 //  - 16-bit sources widen to float32 lanes exactly (vcvtph2ps, a shift) and
 //    then take the float32 path.
-//  - float8 targets (not from float64) round in vectors only where |x|
-//    lies in the format's normal range (Narrowed::kInRangeOnly); a vector
-//    with any other lane (subnormal or zero result, overflow, saturation,
-//    NaN, inf) takes ElementMeasure lane by lane, which is the portable
-//    loop's arithmetic, and so also serves saturate=True.
+//  - float8 targets round in vectors where |f| lies in the format's normal
+//    range (Narrowed::kInRangeOnly), and where it lies below it (the
+//    subnormal branch) in unscaled casts; a vector with any other lane
+//    (overflow, saturation, NaN, inf, or a scaled cast's tiny product)
+//    takes ElementMeasure lane by lane, which is the portable loop's
+//    arithmetic, and so also serves saturate=True. float64 sources flag the
+//    lanes whose f lands on a float8 halfway point and redo the vector
+//    from f rounded to odd.
 // float32 sources go 16 elements per register; float64 sources 8 (one
 // register of float64 next to a half-width one of float32). A block keeps one
 // vector of lanes of the sums in registers across up to kRowBlock rows.
@@ -129,7 +132,13 @@ TC_AVX512_INLINE uint64_t count(uint32_t mask) {
   TC_AVX512_INLINE static V from_bits(I i) { return P##_castsi##B##_ps(i); }                    \
   TC_AVX512_INLINE static I set1i(int v) { return P##_set1_epi32(v); }                          \
   TC_AVX512_INLINE static I addi(I a, I b) { return P##_add_epi32(a, b); }                      \
+  TC_AVX512_INLINE static I subi(I a, I b) { return P##_sub_epi32(a, b); }                      \
+  TC_AVX512_INLINE static I maxi(I a, I b) { return P##_max_epi32(a, b); }                      \
   TC_AVX512_INLINE static I andi(I a, I b) { return P##_and_si##B(a, b); }                      \
+  TC_AVX512_INLINE static I ori(I a, I b) { return P##_or_si##B(a, b); }                        \
+  TC_AVX512_INLINE static I mask_movi(I src, Mask k, I a) { return P##_mask_mov_epi32(src, k, a); } \
+  TC_AVX512_INLINE static Mask cmpgt_u(I a, I b) { return P##_cmpgt_epu32_mask(a, b); }         \
+  TC_AVX512_INLINE static Mask cmplt_u(I a, I b) { return P##_cmplt_epu32_mask(a, b); }         \
   TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) {                                 \
     return P##_mask_or_epi32(src, k, a, b);                                                      \
   }                                                                                              \
@@ -166,6 +175,10 @@ struct F32x16 {
 
   TC_F32_VECTOR_OPS(_mm512, 512, _mm256, 256)
   TC_AVX512_INLINE static V abs(V a) { return _mm512_abs_ps(a); }
+  // The low byte of each lane, stored.
+  TC_AVX512_INLINE static void store_bytes(uint8_t* p, I a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a));
+  }
 };
 
 struct F32x8 {
@@ -176,6 +189,9 @@ struct F32x8 {
   static constexpr int kWidth = 8;
 
   TC_F32_VECTOR_OPS(_mm256, 256, _mm, 128)
+  TC_AVX512_INLINE static void store_bytes(uint8_t* p, I a) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_cvtepi32_epi8(a));
+  }
   // AVX-512VL has no 256-bit abs: the sign bits are cleared.
   TC_AVX512_INLINE static V abs(V a) { return from_bits(andi(bits(a), set1i(0x7fffffff))); }
 };
@@ -263,47 +279,53 @@ struct Narrowed<Float32Target, W> {
 // exact value back; and its subnormal branch for the lanes subnormals()
 // names. A vector with a NaN, infinite or too large lane is measured lane by
 // lane instead.
-template <typename F8>
-struct Narrowed<NarrowTarget<Float8Bits<F8>>, F32x16> {
+template <typename F8, typename W>
+struct Narrowed<NarrowTarget<Float8Bits<F8>>, W> {
   static constexpr bool kInRangeOnly = true;
   static constexpr int kShift = 23 - F8::kMant;
-  __m512i bits;  // in 32-bit lanes
-  __m512 back;
+  using V = typename W::V;
+  using I = typename W::I;
+  I bits;  // in 32-bit lanes
+  V back;
 
-  TC_AVX512_INLINE explicit Narrowed(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-    const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, kShift), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((1 << (kShift - 1)) - 1)), odd),
-        _mm512_set1_epi32(-(1 << kShift)));
-    back = _mm512_castsi512_ps(_mm512_or_si512(rounded, sign));
+  TC_AVX512_INLINE explicit Narrowed(V f) {
+    const I u = W::bits(f);
+    const I sign = W::andi(u, W::set1i(static_cast<int>(0x80000000u)));
+    const I mag = W::andi(u, W::set1i(0x7fffffff));
+    const I odd = W::andi(W::template srli<kShift>(mag), W::set1i(1));
+    const I rounded = W::andi(W::addi(W::addi(mag, W::set1i((1 << (kShift - 1)) - 1)), odd),
+                              W::set1i(-(1 << kShift)));
+    back = W::from_bits(W::ori(rounded, sign));
     // Exponent rebiased; max with 0 keeps a zero x's bits 0.
-    const __m512i em = _mm512_max_epi32(
-        _mm512_sub_epi32(_mm512_srli_epi32(rounded, kShift), _mm512_set1_epi32((127 - F8::kBias) << F8::kMant)),
-        _mm512_setzero_si512());
-    bits = _mm512_or_si512(em, _mm512_srli_epi32(sign, 24));
+    const I em = W::maxi(
+        W::subi(W::template srli<kShift>(rounded), W::set1i((127 - F8::kBias) << F8::kMant)), W::set1i(0));
+    bits = W::ori(em, W::template srli<24>(sign));
   }
   // The lanes in `small` (|f| < min_normal) rounded at the subnormal spacing
   // 2^(1 - kBias - kMant): adding a float whose ulp that is rounds |f| to
   // nearest even, the sum's bits minus the float's count the spacings, and
   // subtracting it back is exact.
-  TC_AVX512_INLINE void subnormals(__m512 f, __mmask16 small) {
-    const __m512i magic_bits = _mm512_set1_epi32((151 - F8::kBias - F8::kMant) << 23);
-    const __m512 magic = _mm512_castsi512_ps(magic_bits);
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-    const __m512 sum = _mm512_add_ps(_mm512_abs_ps(f), magic);
-    const __m512i em = _mm512_sub_epi32(_mm512_castps_si512(sum), magic_bits);
-    const __m512 mag = _mm512_sub_ps(sum, magic);
-    back = _mm512_mask_mov_ps(back, small, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)));
-    bits = _mm512_mask_mov_epi32(bits, small, _mm512_or_si512(em, _mm512_srli_epi32(sign, 24)));
+  TC_AVX512_INLINE void subnormals(V f, typename W::Mask small) {
+    const I magic_bits = W::set1i((151 - F8::kBias - F8::kMant) << 23);
+    const V magic = W::from_bits(magic_bits);
+    const I sign = W::andi(W::bits(f), W::set1i(static_cast<int>(0x80000000u)));
+    const V sum = W::add(W::abs(f), magic);
+    const I em = W::subi(W::bits(sum), magic_bits);
+    back = W::mask_mov(back, small, W::from_bits(W::ori(W::bits(W::sub(sum, magic)), sign)));
+    bits = W::mask_movi(bits, small, W::ori(em, W::template srli<24>(sign)));
   }
-  TC_AVX512_INLINE void store(uint8_t* p) const {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(bits));
-  }
+  TC_AVX512_INLINE void store(uint8_t* p) const { W::store_bytes(p, bits); }
 };
+
+template <typename Target, typename W>
+TC_AVX512_INLINE typename W::Mask f_beyond(typename W::V f) {
+  return W::cmpgt_u(W::bits(W::abs(f)), W::set1i(bit_cast<int32_t>(Target::widen(Target::largest(false)))));
+}
+
+template <typename Target, typename W>
+TC_AVX512_INLINE typename W::Mask f_below_normal(typename W::V f) {
+  return W::cmplt_u(W::bits(W::abs(f)), W::set1i(bit_cast<int32_t>(Target::min_normal)));
+}
 
 // One vector of source elements: x, the float32 f that the target rounds,
 // and ElementMeasure's error terms once the result is known.
@@ -380,11 +402,10 @@ struct F32Source {
       return _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(moved, lo), _mm512_sub_epi32(hi, lo));
     }
   }
-  // Lanes whose |f| exceeds Target's largest finite value, or is NaN.
-  TC_AVX512_INLINE W::Mask beyond() const {
-    return _mm512_cmpgt_epu32_mask(W::bits(W::abs(fv)),
-                                   _mm512_set1_epi32(bit_cast<int32_t>(Target::widen(Target::largest(false)))));
-  }
+  // Lanes whose |f| exceeds Target's largest finite value, or is NaN; and
+  // those below its smallest normal.
+  TC_AVX512_INLINE W::Mask beyond() const { return f_beyond<Target, W>(fv); }
+  TC_AVX512_INLINE W::Mask below_normal() const { return f_below_normal<Target, W>(fv); }
   TC_AVX512_INLINE W::Mask x_inf() const { return W::template fpclass<kClassInf>(x); }
   // Zeroes the error terms where x or y is not finite, and |x| where x is not.
   TC_AVX512_INLINE void mask_unmeasured() {
@@ -396,6 +417,11 @@ struct F32Source {
   struct Maxima {
     V abs, rel, amax;
     TC_AVX512_INLINE Maxima() : abs(W::zero()), rel(W::zero()), amax(W::zero()) {}
+    TC_AVX512_INLINE void absorb(const float* a, const float* r, const float* m) {
+      abs = W::max(W::load(a), abs);
+      rel = W::max(W::load(r), rel);
+      amax = W::max(W::load(m), amax);
+    }
     TC_AVX512_INLINE void fold_into(float* max_abs, float* max_rel, float* amax_out) const {
       W::store(max_abs, W::max(abs, W::load(max_abs)));
       W::store(max_rel, W::max(rel, W::load(max_rel)));
@@ -421,6 +447,11 @@ struct F32Source {
     TC_AVX512_INLINE void store(double (*sums)[kLanes], int l) const {
       for (int p = 0; p < kNumSumArrays; ++p) {
         for (int h = 0; h < 2; ++h) _mm512_store_pd(sums[p] + l + 8 * h, v[p][h]);
+      }
+    }
+    TC_AVX512_INLINE void add_terms(const double (*terms)[16]) {
+      for (int p = 0; p < kNumSumArrays; ++p) {
+        for (int h = 0; h < 2; ++h) v[p][h] = _mm512_add_pd(v[p][h], _mm512_load_pd(terms[p] + 8 * h));
       }
     }
   };
@@ -496,6 +527,11 @@ struct Source<double, Target> {
     } else if constexpr (std::is_same<Target, BFloat16Target>::value) {
       // bfloat16's subnormals are float32's: the midpoint test covers them.
       return _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)), _mm256_set1_epi32(0x8000));
+    } else if constexpr (Narrowed<Target, W>::kInRangeOnly) {
+      // float8's normal range (rare() flags the subnormal one).
+      constexpr int kShift = Narrowed<Target, W>::kShift;
+      return _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32((1 << kShift) - 1)),
+                                     _mm256_set1_epi32(1 << (kShift - 1)));
     } else {
       return 0;
     }
@@ -513,9 +549,21 @@ struct Source<double, Target> {
     ax = _mm512_abs_pd(x);
     return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
   }
+  // To float8: f outside the window of F32Source::rare, x = +-0 excepted (a
+  // tiny x whose f is 0 is not), or on a float8 halfway point.
   TC_AVX512_INLINE W::Mask rare(const Narrowed<Target, W>& y, W::Mask ne) const {
-    return y.rare(ne) | double_rounding();
+    if constexpr (Narrowed<Target, W>::kInRangeOnly) {
+      const __m256i lo = W::set1i(bit_cast<int32_t>(Target::min_normal));
+      const __m256i hi = W::set1i(bit_cast<int32_t>(Target::widen(Target::largest(false))));
+      const __mmask8 zero = _mm512_cmp_pd_mask(x, _mm512_setzero_pd(), _CMP_EQ_OQ);
+      const __m256i moved = W::mask_movi(W::bits(W::abs(fv)), zero, lo);
+      return W::cmpgt_u(W::subi(moved, lo), W::subi(hi, lo)) | double_rounding();
+    } else {
+      return y.rare(ne) | double_rounding();
+    }
   }
+  TC_AVX512_INLINE W::Mask beyond() const { return f_beyond<Target, W>(fv); }
+  TC_AVX512_INLINE W::Mask below_normal() const { return f_below_normal<Target, W>(fv); }
   TC_AVX512_INLINE W::Mask x_inf() const { return _mm512_fpclass_pd_mask(x, kClassInf); }
   TC_AVX512_INLINE void mask_unmeasured() {
     const __mmask8 measured =
@@ -527,6 +575,11 @@ struct Source<double, Target> {
   struct Maxima {
     __m512d abs, rel, amax;
     TC_AVX512_INLINE Maxima() : abs(_mm512_setzero_pd()), rel(_mm512_setzero_pd()), amax(_mm512_setzero_pd()) {}
+    TC_AVX512_INLINE void absorb(const double* a, const double* r, const double* m) {
+      abs = _mm512_max_pd(_mm512_load_pd(a), abs);
+      rel = _mm512_max_pd(_mm512_load_pd(r), rel);
+      amax = _mm512_max_pd(_mm512_load_pd(m), amax);
+    }
     TC_AVX512_INLINE void fold_into(double* max_abs, double* max_rel, double* amax_out) const {
       _mm512_store_pd(max_abs, _mm512_max_pd(abs, _mm512_load_pd(max_abs)));
       _mm512_store_pd(max_rel, _mm512_max_pd(rel, _mm512_load_pd(max_rel)));
@@ -552,6 +605,9 @@ struct Source<double, Target> {
     template <int kLanes>
     TC_AVX512_INLINE void store(double (*sums)[kLanes], int l) const {
       for (int p = 0; p < kNumSumArrays; ++p) _mm512_store_pd(sums[p] + l, v[p]);
+    }
+    TC_AVX512_INLINE void add_terms(const double (*terms)[8]) {
+      for (int p = 0; p < kNumSumArrays; ++p) v[p] = _mm512_add_pd(v[p], _mm512_load_pd(terms[p]));
     }
   };
   template <bool kMasked>
@@ -604,12 +660,13 @@ struct Kernel {
   // x = 0, whose terms are +0 and leave every sum as it is.
   static TC_AVX512_INLINE void by_element(const In* xp, Storage* yp, const Options& o, Sums& s,
                                           Acc& acc) {
-    alignas(64) float abs[kWidth], rel[kWidth], amax[kWidth];
+    using Wide = typename State::Wide;
+    alignas(64) Wide abs[kWidth], rel[kWidth], amax[kWidth];
     alignas(64) double terms[kNumSumArrays][kWidth];
     for (int j = 0; j < kWidth; ++j) {
-      const float xj = SourceFormat<From>::widen(xp[j]);
-      const auto m = o.scaled ? ElementMeasure<Target, float, double>(xj, o.saturate, o.scale)
-                              : ElementMeasure<Target, float, double>(xj, o.saturate);
+      const Wide xj = SourceFormat<From>::widen(xp[j]);
+      const auto m = o.scaled ? ElementMeasure<Target, Wide, double>(xj, o.saturate, o.scale)
+                              : ElementMeasure<Target, Wide, double>(xj, o.saturate);
       yp[j] = m.y;
       acc.nan += m.nan;
       acc.inf += m.inf;
@@ -625,12 +682,8 @@ struct Kernel {
       terms[kSqErr][j] = m.sq_err;
       terms[kSq][j] = m.sq;
     }
-    acc.max.abs = W::max(W::load(abs), acc.max.abs);
-    acc.max.rel = W::max(W::load(rel), acc.max.rel);
-    acc.max.amax = W::max(W::load(amax), acc.max.amax);
-    for (int p = 0; p < kNumSumArrays; ++p) {
-      for (int h = 0; h < 2; ++h) s.v[p][h] = _mm512_add_pd(s.v[p][h], _mm512_load_pd(terms[p] + 8 * h));
-    }
+    acc.max.absorb(abs, rel, amax);
+    s.add_terms(terms);
   }
 
   // One vector of elements into the sums s. With kMasked only the lanes in
@@ -648,18 +701,24 @@ struct Kernel {
     const Mask rare = src.rare(y, ne);
     if (__builtin_expect(rare != 0, 0)) {
       if constexpr (Narrowed<Target, W>::kInRangeOnly) {
-        // Below the normal range only, and unscaled (f = x, rounded once):
-        // subnormal and zero results in vectors; anything else lane by lane.
+        // Below the normal range or on a halfway point only, and unscaled:
+        // in vectors, from f rounded to odd (float64 sources); subnormal and
+        // zero results through subnormals(). Anything else lane by lane.
         if (kScaled || src.beyond() != 0) {
           by_element(xp, yp, o, s, acc);
           return;
         }
-        y.subnormals(src.f(), rare);
+        if constexpr (Src::kRoundsTwice) {
+          src.round_to_odd();
+          y = Narrowed<Target, W>(src.f());
+        }
+        const Mask small = rare & src.below_normal();  // x = +-0 is never rare
+        y.subnormals(src.f(), small);
         ne = src.measure(y.back);
         const Mask zero = W::template fpclass<kClassZero>(y.back);
-        acc.underflow += count(rare & zero);
+        acc.underflow += count(small & zero);
         // (|f| just below the smallest normal rounds up to it.)
-        acc.subnormal += count(W::template mask_cmp<_CMP_LT_OQ>(rare & ~zero, W::abs(y.back),
+        acc.subnormal += count(W::template mask_cmp<_CMP_LT_OQ>(small & ~zero, W::abs(y.back),
                                                                 W::set1(Target::min_normal)));
       } else {
         rare_lanes(src, y, ne, acc);
@@ -713,12 +772,12 @@ struct Kernel {
   // Casts n contiguous elements, the first of which falls in lane `lane`.
   // saturate and scale (nullptr: unscaled) serve Targets whose vectors
   // Narrowed rounds only in range (the others take the portable loop for
-  // them), and scale must lie in [2^-100, 2^100], so that y / scale is
-  // finite wherever y is.
+  // them, as do scaled float64 sources), and scale must lie in
+  // [2^-100, 2^100], so that y / scale is finite wherever y is.
   static TC_AVX512 void run(State* st, const In* x, Storage* y, int lane, int64_t n, bool saturate,
                             const float* scale) {
     const Options o{saturate, scale != nullptr, scale != nullptr ? *scale : 1.f};
-    if constexpr (Narrowed<Target, W>::kInRangeOnly) {
+    if constexpr (Narrowed<Target, W>::kInRangeOnly && !std::is_same<From, double>::value) {
       if (o.scaled) return run_with<true>(st, x, y, lane, n, o);
     }
     run_with<false>(st, x, y, lane, n, o);
