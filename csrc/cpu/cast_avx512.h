@@ -139,6 +139,7 @@ TC_AVX512_INLINE uint64_t count(uint32_t mask) {
   TC_AVX512_INLINE static I mask_movi(I src, Mask k, I a) { return P##_mask_mov_epi32(src, k, a); } \
   TC_AVX512_INLINE static Mask cmpgt_u(I a, I b) { return P##_cmpgt_epu32_mask(a, b); }         \
   TC_AVX512_INLINE static Mask cmplt_u(I a, I b) { return P##_cmplt_epu32_mask(a, b); }         \
+  TC_AVX512_INLINE static Mask cmpeq_i(I a, I b) { return P##_cmpeq_epi32_mask(a, b); }         \
   TC_AVX512_INLINE static I mask_ori(I src, Mask k, I a, I b) {                                 \
     return P##_mask_or_epi32(src, k, a, b);                                                      \
   }                                                                                              \
@@ -154,15 +155,6 @@ TC_AVX512_INLINE uint64_t count(uint32_t mask) {
   TC_AVX512_INLINE static V from_half(H h) { return P##_cvtph_ps(h); }                          \
   TC_AVX512_INLINE static void store_h(uint16_t* p, H h) {                                       \
     HP##_storeu_si##HB(reinterpret_cast<H*>(p), h);                                              \
-  }                                                                                              \
-  /* Of float16 bits h: magnitude outside [lo, lo + span], and magnitude 0. */                   \
-  TC_AVX512_INLINE static Mask half_outside(H h, int lo, int span) {                             \
-    const H mag = HP##_and_si##HB(h, HP##_set1_epi16(0x7fff));                                   \
-    return HP##_cmpgt_epu16_mask(HP##_sub_epi16(mag, HP##_set1_epi16(static_cast<int16_t>(lo))), \
-                                 HP##_set1_epi16(static_cast<int16_t>(span)));                   \
-  }                                                                                              \
-  TC_AVX512_INLINE static Mask half_zero(H h) {                                                  \
-    return HP##_testn_epi16_mask(h, HP##_set1_epi16(0x7fff));                                    \
   }
 
 // float32 vectors of 16 lanes (float32 sources) and 8 lanes (float64 sources).
@@ -215,11 +207,7 @@ struct Narrowed<Float16Target, W> {
   // vcvtps2ph already quiets a NaN the way half_bits_from_float does.
   TC_AVX512_INLINE void fix_nans(typename W::Mask) {}
   TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, bits); }
-  // Elements that may need the rare work: NaN, infinite, or a result below
-  // the smallest normal float16 (magnitude 0x0400) that is not an exact zero.
-  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
-    return W::half_outside(bits, 0x0400, 0x7bff - 0x0400) & (ne | ~W::half_zero(bits));
-  }
+  // (The rare lanes come from f's magnitude: Source::rare.)
   TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask zero) const {
     const typename W::Mask small =
         W::template cmp<_CMP_LT_OQ>(W::abs(back), W::set1(Float16Target::min_normal));
@@ -375,7 +363,6 @@ struct F32Source {
         _mm512_srai_epi32(_mm512_xor_si512(W::bits(err), W::bits(fv)), 31), _mm512_set1_epi32(1));
     fv = W::from_bits(_mm512_mask_add_epi32(W::bits(fv), inexact, W::bits(fv), toward));
   }
-  TC_AVX512_INLINE W::Mask double_rounding() const { return 0; }
   TC_AVX512_INLINE W::Mask measure(V back) {
     t = W::abs(W::sub(x, back));
     xm = x;
@@ -496,18 +483,31 @@ struct Source<BFloat16Target, Target> : F32Source<Target> {
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))) {}
 };
 
+// The float32 mantissa bits a Target drops (0: none, float32 itself).
+template <typename Target>
+struct DroppedBits : std::integral_constant<int, 0> {};
+template <>
+struct DroppedBits<Float16Target> : std::integral_constant<int, 13> {};
+template <>
+struct DroppedBits<BFloat16Target> : std::integral_constant<int, 16> {};
+template <typename F8>
+struct DroppedBits<NarrowTarget<Float8Bits<F8>>> : std::integral_constant<int, 23 - F8::kMant> {};
+
 // float64 sources, 8 elements. An exact shortcut over ElementMeasure: f is
 // x rounded to nearest float32, not to odd. Rounding f to a narrower Target
 // gives the correctly rounded result unless f is exactly halfway between two
 // Target values (Target's midpoints are float32 values, and rounding to
 // nearest keeps x and f on the same side of each) or lies in Target's
-// subnormal range; double_rounding() flags those lanes and the step redoes
-// them with round to odd.
+// subnormal range; rare() flags those lanes and the step redoes the vector
+// with round to odd.
 template <typename Target>
 struct Source<double, Target> {
   using W = F32x8;
   using V = W::V;
   static constexpr bool kRoundsTwice = !std::is_same<Target, Float32Target>::value;
+  // Targets whose rare lanes are found from f's magnitude (as F32Source does).
+  static constexpr bool kWindow =
+      std::is_same<Target, Float16Target>::value || Narrowed<Target, W>::kInRangeOnly;
   __m512d x;
   V fv;
   __m512d t, xx;
@@ -515,25 +515,15 @@ struct Source<double, Target> {
 
   TC_AVX512_INLINE explicit Source(const double* p) : x(_mm512_loadu_pd(p)), fv(_mm512_cvtpd_ps(x)) {}
   TC_AVX512_INLINE V f() const { return fv; }
-  TC_AVX512_INLINE W::Mask double_rounding() const {
-    const __m256i u = W::bits(fv);
-    if constexpr (std::is_same<Target, Float16Target>::value) {
-      const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-      const __mmask8 midpoint =
-          _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0x1fff)), _mm256_set1_epi32(0x1000));
-      const __mmask8 subnormal_range =  // 0 < |f| < 2^-14
-          _mm256_cmplt_epu32_mask(_mm256_sub_epi32(mag, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x387fffff));
-      return midpoint | subnormal_range;
-    } else if constexpr (std::is_same<Target, BFloat16Target>::value) {
-      // bfloat16's subnormals are float32's: the midpoint test covers them.
-      return _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)), _mm256_set1_epi32(0x8000));
-    } else if constexpr (Narrowed<Target, W>::kInRangeOnly) {
-      // float8's normal range (rare() flags the subnormal one).
-      constexpr int kShift = Narrowed<Target, W>::kShift;
-      return _mm256_cmpeq_epi32_mask(_mm256_and_si256(u, _mm256_set1_epi32((1 << kShift) - 1)),
-                                     _mm256_set1_epi32(1 << (kShift - 1)));
-    } else {
+  // Lanes whose f is a Target halfway point. (bfloat16's subnormals are
+  // float32's: this test covers them; the other Targets' subnormal range is
+  // outside rare()'s window.)
+  TC_AVX512_INLINE W::Mask halfway() const {
+    constexpr int kShift = DroppedBits<Target>::value;
+    if constexpr (kShift == 0) {
       return 0;
+    } else {
+      return W::cmpeq_i(W::andi(W::bits(fv), W::set1i((1 << kShift) - 1)), W::set1i(1 << (kShift - 1)));
     }
   }
   // float_round_to_odd: truncate, and set the last bit where that is inexact.
@@ -549,17 +539,18 @@ struct Source<double, Target> {
     ax = _mm512_abs_pd(x);
     return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
   }
-  // To float8: f outside the window of F32Source::rare, x = +-0 excepted (a
-  // tiny x whose f is 0 is not), or on a float8 halfway point.
+  // To float16 and float8: f outside the window of F32Source::rare, x = +-0
+  // excepted (a tiny x whose f is 0 is not), or on a halfway point.
+  // Otherwise Narrowed's test of the result.
   TC_AVX512_INLINE W::Mask rare(const Narrowed<Target, W>& y, W::Mask ne) const {
-    if constexpr (Narrowed<Target, W>::kInRangeOnly) {
+    if constexpr (kWindow) {
       const __m256i lo = W::set1i(bit_cast<int32_t>(Target::min_normal));
       const __m256i hi = W::set1i(bit_cast<int32_t>(Target::widen(Target::largest(false))));
       const __mmask8 zero = _mm512_cmp_pd_mask(x, _mm512_setzero_pd(), _CMP_EQ_OQ);
       const __m256i moved = W::mask_movi(W::bits(W::abs(fv)), zero, lo);
-      return W::cmpgt_u(W::subi(moved, lo), W::subi(hi, lo)) | double_rounding();
+      return W::cmpgt_u(W::subi(moved, lo), W::subi(hi, lo)) | halfway();
     } else {
-      return y.rare(ne) | double_rounding();
+      return y.rare(ne) | halfway();
     }
   }
   TC_AVX512_INLINE W::Mask beyond() const { return f_beyond<Target, W>(fv); }
