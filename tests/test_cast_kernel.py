@@ -12,12 +12,15 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torchcast
 from torchcast._reference import cast as cast_ref
 
 PAIRS = cast_ref.LOSSY_PAIRS
 PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRS]
+FLOAT8_PAIRS = [p for p in PAIRS if p[1].itemsize == 1]
 BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
         torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
 OP = torch.ops.torchcast.cast_with_stats
@@ -87,8 +90,7 @@ def check(x, dst, out=None):
 KINDS = ("normal", "wide", "bits", "midpoints", "specials")
 
 
-@pytest.mark.parametrize("src,dst", [p for p in PAIRS if p[1].itemsize == 1],
-                         ids=[i for p, i in zip(PAIRS, PAIR_IDS) if p[1].itemsize == 1])
+@pytest.mark.parametrize("src,dst", FLOAT8_PAIRS, ids=[i for p, i in zip(PAIRS, PAIR_IDS) if p in FLOAT8_PAIRS])
 @pytest.mark.parametrize("scale", [3.7, 2.0 ** -12, 448.0, 448.0 / 496.0])
 def test_scaled_float8_against_the_reference(src, dst, scale):
     g = torch.Generator().manual_seed(6)
@@ -99,6 +101,27 @@ def test_scaled_float8_against_the_reference(src, dst, scale):
                 y, s = OP(x, dst, torch.tensor(scale), saturate=saturate)
                 yr, sr = cast_ref.cast_with_stats(x, dst, saturate=saturate, scale=torch.tensor(scale))
                 assert same(y, yr) and same(s, sr), (kind, n, saturate)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_hypothesis_float8_saturate_and_scale(draws):
+    """float8 targets with every saturate mode and scales that take the
+    vector path (halfway points of 448 / 496 included) or not (a float64
+    source's, 1e35), on random sizes, steps and kinds of data, against the
+    reference bit for bit."""
+    src, dst = draws.draw(st.sampled_from(FLOAT8_PAIRS), label="pair")
+    n = draws.draw(st.integers(1, 3000), label="n")
+    step = draws.draw(st.integers(1, 3), label="step")
+    kind = draws.draw(st.sampled_from(KINDS), label="kind")
+    seed = draws.draw(st.integers(0, 2 ** 31), label="seed")
+    saturate = draws.draw(st.sampled_from([None, False, True]), label="saturate")
+    scale = draws.draw(st.sampled_from([None, 1.0, 448 / 496, 2.0 ** -7, 3.7, 1e-3, 1e35]), label="scale")
+    x = data(n * step, src, kind, torch.Generator().manual_seed(seed))[::step]
+    s = None if scale is None else torch.tensor(scale)
+    y, stats = OP(x, dst, s, saturate=saturate)
+    yr, sr = cast_ref.cast_with_stats(x, dst, saturate=saturate, scale=s)
+    assert same(y, yr) and same(stats, sr)
 
 
 @pytest.mark.parametrize("src,dst", PAIRS, ids=PAIR_IDS)
