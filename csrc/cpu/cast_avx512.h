@@ -190,6 +190,20 @@ struct F32x8 {
 
 #undef TC_F32_VECTOR_OPS
 
+// Targets with float32's exponent range (bfloat16, float32): the rare lanes
+// and the subnormal results, from the result `back`. Before fix_nans a NaN f
+// rounds to +-0, +-inf or NaN, with y != x.
+template <typename W>
+TC_AVX512_INLINE typename W::Mask float32_range_rare(typename W::V back, typename W::Mask ne) {
+  return W::template fpclass<kClassNaN | kClassInf | kClassDenormal>(back) |
+         (ne & W::template fpclass<kClassZero>(back));
+}
+
+template <typename W>
+TC_AVX512_INLINE typename W::Mask float32_range_subnormal(typename W::V back) {
+  return W::template fpclass<kClassDenormal>(back);
+}
+
 // The target's storage bits and their exact float32 value `back`, from the
 // float32 f that Target::round(float) takes. NaNs are left as the rounding
 // makes them (already final for float16, possibly not NaN for bfloat16)
@@ -233,15 +247,8 @@ struct Narrowed<BFloat16Target, W> {
     back = W::from_bits(W::template slli<16>(bits));
   }
   TC_AVX512_INLINE void store(uint16_t* p) const { W::store_h(p, W::narrow16(bits)); }
-  // Before fix_nans a NaN f rounds to +-0, +-inf or NaN, with y != x.
-  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
-    return W::template fpclass<kClassNaN | kClassInf | kClassDenormal>(back) |
-           (ne & W::template fpclass<kClassZero>(back));
-  }
-  // bfloat16 and float32 share the exponent range.
-  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask) const {
-    return W::template fpclass<kClassDenormal>(back);
-  }
+  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const { return float32_range_rare<W>(back, ne); }
+  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask) const { return float32_range_subnormal<W>(back); }
 };
 
 template <typename W>
@@ -252,14 +259,31 @@ struct Narrowed<Float32Target, W> {
   TC_AVX512_INLINE explicit Narrowed(typename W::V f) : back(f) {}
   TC_AVX512_INLINE void fix_nans(typename W::Mask) {}
   TC_AVX512_INLINE void store(float* p) const { W::storeu(p, back); }
-  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const {
-    return W::template fpclass<kClassNaN | kClassInf | kClassDenormal>(back) |
-           (ne & W::template fpclass<kClassZero>(back));
-  }
-  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask) const {
-    return W::template fpclass<kClassDenormal>(back);
-  }
+  TC_AVX512_INLINE typename W::Mask rare(typename W::Mask ne) const { return float32_range_rare<W>(back, ne); }
+  TC_AVX512_INLINE typename W::Mask subnormal(typename W::Mask) const { return float32_range_subnormal<W>(back); }
 };
+
+// The float32 mantissa bits a Target drops (0: none, float32 itself).
+template <typename Target>
+struct DroppedBits : std::integral_constant<int, 0> {};
+template <>
+struct DroppedBits<Float16Target> : std::integral_constant<int, 13> {};
+template <>
+struct DroppedBits<BFloat16Target> : std::integral_constant<int, 16> {};
+template <typename F8>
+struct DroppedBits<NarrowTarget<Float8Bits<F8>>> : std::integral_constant<int, 23 - F8::kMant> {};
+
+// Lanes whose float32 f lies exactly halfway between two Target values:
+// rounding f to Target may differ from rounding the value f was rounded from.
+template <typename Target, typename W>
+TC_AVX512_INLINE typename W::Mask halfway(typename W::V f) {
+  constexpr int kShift = DroppedBits<Target>::value;
+  if constexpr (kShift == 0) {
+    return 0;
+  } else {
+    return W::cmpeq_i(W::andi(W::bits(f), W::set1i((1 << kShift) - 1)), W::set1i(1 << (kShift - 1)));
+  }
+}
 
 // float8 from float32 lanes whose |f| lies in [min_normal, largest finite]
 // or is 0 (Source::rare flags every other lane): float8_bits_from_float's
@@ -270,7 +294,7 @@ struct Narrowed<Float32Target, W> {
 template <typename F8, typename W>
 struct Narrowed<NarrowTarget<Float8Bits<F8>>, W> {
   static constexpr bool kInRangeOnly = true;
-  static constexpr int kShift = 23 - F8::kMant;
+  static constexpr int kShift = DroppedBits<NarrowTarget<Float8Bits<F8>>>::value;
   using V = typename W::V;
   using I = typename W::I;
   I bits;  // in 32-bit lanes
@@ -305,15 +329,22 @@ struct Narrowed<NarrowTarget<Float8Bits<F8>>, W> {
   TC_AVX512_INLINE void store(uint8_t* p) const { W::store_bytes(p, bits); }
 };
 
+// Target's normal range [min_normal, largest finite] on the bits of a
+// float32 magnitude (they order like the values): where the rounding of f
+// cannot give a subnormal, zero, inf, NaN or saturated result.
 template <typename Target, typename W>
-TC_AVX512_INLINE typename W::Mask f_beyond(typename W::V f) {
-  return W::cmpgt_u(W::bits(W::abs(f)), W::set1i(bit_cast<int32_t>(Target::widen(Target::largest(false)))));
-}
-
-template <typename Target, typename W>
-TC_AVX512_INLINE typename W::Mask f_below_normal(typename W::V f) {
-  return W::cmplt_u(W::bits(W::abs(f)), W::set1i(bit_cast<int32_t>(Target::min_normal)));
-}
+struct NormalRange {
+  using I = typename W::I;
+  TC_AVX512_INLINE static I lo() { return W::set1i(bit_cast<int32_t>(Target::min_normal)); }
+  TC_AVX512_INLINE static I hi() { return W::set1i(bit_cast<int32_t>(Target::widen(Target::largest(false)))); }
+  // Magnitude bits outside the range: one unsigned compare.
+  TC_AVX512_INLINE static typename W::Mask outside(I mag) {
+    return W::cmpgt_u(W::subi(mag, lo()), W::subi(hi(), lo()));
+  }
+  // |f| above the range, or NaN; |f| below it.
+  TC_AVX512_INLINE static typename W::Mask above(typename W::V f) { return W::cmpgt_u(W::bits(W::abs(f)), hi()); }
+  TC_AVX512_INLINE static typename W::Mask below(typename W::V f) { return W::cmplt_u(W::bits(W::abs(f)), lo()); }
+};
 
 // One vector of source elements: x, the float32 f that the target rounds,
 // and ElementMeasure's error terms once the result is known.
@@ -350,13 +381,11 @@ struct F32Source {
   // float32 x, rounding f as it is would go the wrong way for about half of
   // the inexact ones (tests/test_float8.py).
   TC_AVX512_INLINE void scale_by(V scale) {
-    constexpr int kShift = Narrowed<Target, W>::kShift;
     fv = W::mul(x, scale);
-    const W::Mask halfway = _mm512_cmpeq_epi32_mask(
-        _mm512_and_si512(W::bits(fv), _mm512_set1_epi32((1 << kShift) - 1)), _mm512_set1_epi32(1 << (kShift - 1)));
-    if (__builtin_expect(halfway == 0, 1)) return;
+    const W::Mask ties = halfway<Target, W>(fv);
+    if (__builtin_expect(ties == 0, 1)) return;
     const V err = _mm512_fmsub_ps(x, scale, fv);
-    const W::Mask inexact = _mm512_mask_cmp_ps_mask(halfway, err, W::zero(), _CMP_NEQ_UQ);
+    const W::Mask inexact = _mm512_mask_cmp_ps_mask(ties, err, W::zero(), _CMP_NEQ_UQ);
     // +1 on the bits where err and f agree in sign (the magnitude grows), -1
     // where they differ.
     const __m512i toward = _mm512_or_si512(
@@ -381,18 +410,16 @@ struct F32Source {
     if constexpr (std::is_same<Target, BFloat16Target>::value) {
       return y.rare(ne);
     } else {
-      const __m512i lo = _mm512_set1_epi32(bit_cast<int32_t>(Target::min_normal));
-      const __m512i hi = _mm512_set1_epi32(bit_cast<int32_t>(Target::widen(Target::largest(false))));
-      const __m512i mag = W::bits(W::abs(fv));
+      using Range = NormalRange<Target, W>;
       const __m512i zero = _mm512_srai_epi32(_mm512_sub_epi32(W::bits(ax), _mm512_set1_epi32(1)), 31);
-      const __m512i moved = _mm512_ternarylogic_epi32(mag, zero, lo, 0xf8);  // mag | (zero & lo)
-      return _mm512_cmpgt_epu32_mask(_mm512_sub_epi32(moved, lo), _mm512_sub_epi32(hi, lo));
+      // |f| | (zero & lo)
+      return Range::outside(_mm512_ternarylogic_epi32(W::bits(W::abs(fv)), zero, Range::lo(), 0xf8));
     }
   }
   // Lanes whose |f| exceeds Target's largest finite value, or is NaN; and
   // those below its smallest normal.
-  TC_AVX512_INLINE W::Mask beyond() const { return f_beyond<Target, W>(fv); }
-  TC_AVX512_INLINE W::Mask below_normal() const { return f_below_normal<Target, W>(fv); }
+  TC_AVX512_INLINE W::Mask beyond() const { return NormalRange<Target, W>::above(fv); }
+  TC_AVX512_INLINE W::Mask below_normal() const { return NormalRange<Target, W>::below(fv); }
   TC_AVX512_INLINE W::Mask x_inf() const { return W::template fpclass<kClassInf>(x); }
   // Zeroes the error terms where x or y is not finite, and |x| where x is not.
   TC_AVX512_INLINE void mask_unmeasured() {
@@ -483,16 +510,6 @@ struct Source<BFloat16Target, Target> : F32Source<Target> {
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))) {}
 };
 
-// The float32 mantissa bits a Target drops (0: none, float32 itself).
-template <typename Target>
-struct DroppedBits : std::integral_constant<int, 0> {};
-template <>
-struct DroppedBits<Float16Target> : std::integral_constant<int, 13> {};
-template <>
-struct DroppedBits<BFloat16Target> : std::integral_constant<int, 16> {};
-template <typename F8>
-struct DroppedBits<NarrowTarget<Float8Bits<F8>>> : std::integral_constant<int, 23 - F8::kMant> {};
-
 // float64 sources, 8 elements. An exact shortcut over ElementMeasure: f is
 // x rounded to nearest float32, not to odd. Rounding f to a narrower Target
 // gives the correctly rounded result unless f is exactly halfway between two
@@ -515,17 +532,6 @@ struct Source<double, Target> {
 
   TC_AVX512_INLINE explicit Source(const double* p) : x(_mm512_loadu_pd(p)), fv(_mm512_cvtpd_ps(x)) {}
   TC_AVX512_INLINE V f() const { return fv; }
-  // Lanes whose f is a Target halfway point. (bfloat16's subnormals are
-  // float32's: this test covers them; the other Targets' subnormal range is
-  // outside rare()'s window.)
-  TC_AVX512_INLINE W::Mask halfway() const {
-    constexpr int kShift = DroppedBits<Target>::value;
-    if constexpr (kShift == 0) {
-      return 0;
-    } else {
-      return W::cmpeq_i(W::andi(W::bits(fv), W::set1i((1 << kShift) - 1)), W::set1i(1 << (kShift - 1)));
-    }
-  }
   // float_round_to_odd: truncate, and set the last bit where that is inexact.
   TC_AVX512_INLINE void round_to_odd() {
     const __m256 z = _mm512_cvt_roundpd_ps(x, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
@@ -540,21 +546,22 @@ struct Source<double, Target> {
     return _mm512_cmp_pd_mask(b, x, _CMP_NEQ_UQ);
   }
   // To float16 and float8: f outside the window of F32Source::rare, x = +-0
-  // excepted (a tiny x whose f is 0 is not), or on a halfway point.
-  // Otherwise Narrowed's test of the result.
+  // excepted (a tiny x whose f is 0 is not); otherwise Narrowed's test of the
+  // result. And every lane whose f is a Target halfway point (bfloat16's
+  // subnormals are float32's: that test covers them; the other Targets'
+  // subnormal range is outside the window).
   TC_AVX512_INLINE W::Mask rare(const Narrowed<Target, W>& y, W::Mask ne) const {
+    const W::Mask ties = halfway<Target, W>(fv);
     if constexpr (kWindow) {
-      const __m256i lo = W::set1i(bit_cast<int32_t>(Target::min_normal));
-      const __m256i hi = W::set1i(bit_cast<int32_t>(Target::widen(Target::largest(false))));
+      using Range = NormalRange<Target, W>;
       const __mmask8 zero = _mm512_cmp_pd_mask(x, _mm512_setzero_pd(), _CMP_EQ_OQ);
-      const __m256i moved = W::mask_movi(W::bits(W::abs(fv)), zero, lo);
-      return W::cmpgt_u(W::subi(moved, lo), W::subi(hi, lo)) | halfway();
+      return Range::outside(W::mask_movi(W::bits(W::abs(fv)), zero, Range::lo())) | ties;
     } else {
-      return y.rare(ne) | halfway();
+      return y.rare(ne) | ties;
     }
   }
-  TC_AVX512_INLINE W::Mask beyond() const { return f_beyond<Target, W>(fv); }
-  TC_AVX512_INLINE W::Mask below_normal() const { return f_below_normal<Target, W>(fv); }
+  TC_AVX512_INLINE W::Mask beyond() const { return NormalRange<Target, W>::above(fv); }
+  TC_AVX512_INLINE W::Mask below_normal() const { return NormalRange<Target, W>::below(fv); }
   TC_AVX512_INLINE W::Mask x_inf() const { return _mm512_fpclass_pd_mask(x, kClassInf); }
   TC_AVX512_INLINE void mask_unmeasured() {
     const __mmask8 measured =
