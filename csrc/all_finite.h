@@ -1,6 +1,8 @@
-// Whether a CPU tensor holds only finite values: the per-op check of
-// track(nonfinite=...), which must cost far less than the op it watches
-// (all_finite.cpp).
+// Non-finite values in a CPU tensor, read from its bits (cpu/all_finite.cpp):
+// whether there are any (the per-op check of track(nonfinite=...), which must
+// cost far less than the op it watches), and how many, with the largest finite
+// magnitude (the stats of an exact cast, which the tracker takes for every
+// widening cast).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,5 +13,14 @@ namespace torchcast {
 // and bool tensors are. Reads the bits, without allocating, for contiguous
 // floating x; other layouts go through at::isfinite.
 bool all_finite(const at::Tensor& x);
+
+struct NonfiniteCounts {
+  int64_t nan = 0, inf = 0;
+  double amax = 0;  // the largest finite |x|; 0 when there is none
+};
+
+// The counts of a CPU tensor of a floating dtype of float_rank > 0 that is
+// non-overlapping and dense (its numel elements read as one block).
+NonfiniteCounts count_nonfinite(const at::Tensor& x);
 
 }  // namespace torchcast

@@ -1,5 +1,7 @@
 #include "cast_common.h"
 
+#include "all_finite.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
@@ -140,70 +142,6 @@ at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y) {
       .build();
 }
 
-namespace {
-
-// The non-finite counts and amax of an exact cast's x, from its bits: NaN
-// has every exponent bit set and a nonzero mantissa (its bits without the
-// sign exceed infinity's), inf exactly infinity's bits. Integer compares that
-// gcc vectorizes, several times faster on the CPU than at::isnan(x).sum() on
-// small tensors.
-struct ExactCounts {
-  int64_t nan = 0, inf = 0;
-  double amax = 0;
-};
-
-template <typename Bits, typename Widen>
-ExactCounts count_exact_dense(const at::Tensor& x, Bits inf_bits, Bits nan_above, Widen widen) {
-  const auto* bits = static_cast<const Bits*>(x.const_data_ptr());
-  constexpr Bits kAbs = static_cast<Bits>(static_cast<Bits>(~Bits{0}) >> 1);
-  const auto chunk = [&](int64_t begin, int64_t end) {
-    ExactCounts c;
-    Bits amax_bits = 0;  // finite magnitudes order as their bits do
-    for (int64_t i = begin; i < end; ++i) {
-      const Bits a = bits[i] & kAbs;
-      c.nan += a > nan_above;
-      c.inf += a == inf_bits;
-      amax_bits = (a < inf_bits && a <= nan_above && a > amax_bits) ? a : amax_bits;
-    }
-    c.amax = widen(amax_bits);
-    return c;
-  };
-  const auto combine = [](ExactCounts a, ExactCounts b) {
-    return ExactCounts{a.nan + b.nan, a.inf + b.inf, std::max(a.amax, b.amax)};
-  };
-  return at::parallel_reduce(
-      0, x.numel(), int64_t{1} << 16, ExactCounts{},
-      [&](int64_t b, int64_t e, ExactCounts acc) { return combine(acc, chunk(b, e)); }, combine);
-}
-
-ExactCounts count_exact(const at::Tensor& x) {
-  // e4m3fn has no inf: inf_bits is out of reach and 0x7f alone is NaN.
-  switch (x.scalar_type()) {
-    case at::kDouble:
-      return count_exact_dense<uint64_t>(x, 0x7ff0000000000000ULL, 0x7ff0000000000000ULL,
-                                         [](uint64_t b) { return bit_cast<double>(b); });
-    case at::kFloat:
-      return count_exact_dense<uint32_t>(x, 0x7f800000U, 0x7f800000U,
-                                         [](uint32_t b) { return double(bit_cast<float>(b)); });
-    case at::kHalf:
-      return count_exact_dense<uint16_t>(x, 0x7c00, 0x7c00,
-                                         [](uint16_t b) { return double(float_from_half_bits(b)); });
-    case at::kBFloat16:
-      return count_exact_dense<uint16_t>(
-          x, 0x7f80, 0x7f80, [](uint16_t b) { return double(float_from_bfloat16_bits(b)); });
-    case at::kFloat8_e4m3fn:
-      return count_exact_dense<uint8_t>(x, 0xff, 0x7e, [](uint8_t b) {
-        return double(float_from_float8_bits<Float8E4M3FNBits>(b));
-      });
-    default:  // kFloat8_e5m2
-      return count_exact_dense<uint8_t>(x, 0x7c, 0x7c, [](uint8_t b) {
-        return double(float_from_float8_bits<Float8E5M2Bits>(b));
-      });
-  }
-}
-
-}  // namespace
-
 at::Tensor exact_cast_stats(const at::Tensor& x) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK_TYPE(float_rank(dtype) > 0,
@@ -212,8 +150,11 @@ at::Tensor exact_cast_stats(const at::Tensor& x) {
   auto stats = at::zeros({kNumStats}, x.options().dtype(at::kDouble));
   // NaN and inf pass an exact cast unchanged, and are still news (a NaN
   // gradient widened for the optimizer): counted on the device, without a sync.
-  if (x.is_cpu() && x.is_non_overlapping_and_dense()) {  // one block of numel elements
-    const ExactCounts c = count_exact(x);
+  if (x.is_cpu()) {
+    // A strided x is copied: a copy costs a few times less than at::isnan
+    // and friends below, and dense x is read as one block of numel elements.
+    const NonfiniteCounts c =
+        count_nonfinite(x.is_non_overlapping_and_dense() ? x : x.contiguous());
     auto* values = stats.data_ptr<double>();
     values[kNumel] = static_cast<double>(x.numel());
     values[kNan] = static_cast<double>(c.nan);
