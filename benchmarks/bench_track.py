@@ -17,7 +17,10 @@ at the "small" size the overhead target is stated for and at a "tiny" size
 where the per-op cost of the mode dominates. With --models, also models
 nobody here wrote (benchmarks/thirdparty.py says how to install them):
 torchvision's resnet18 (batch 4 of 3x112x112 images) and a 2-layer GPT-2
-(batch 4 of 64 tokens), under bfloat16 autocast.
+(batch 4 of 64 tokens), under bfloat16 autocast. Rows "dispatch mode only"
+time a TorchDispatchMode that runs each op and does nothing else: the floor
+under any tracking that sees every op from Python, as track(all_casts=True)
+does.
 
     PYTHONPATH=. python benchmarks/bench_track.py [--rounds N] [--threads T] [--models] [--watch]
         [--append]
@@ -79,8 +82,11 @@ def step(model, x, autocast):
     model.zero_grad(set_to_none=True)
 
 
-# What a row tracks: its label and track()'s arguments.
+# What a row tracks: its label and track()'s arguments. "dispatch mode only":
+# a TorchDispatchMode that runs each op and nothing else, the least that any
+# interception of every op from Python costs (track(all_casts=True) is one).
 TRACKS = {
+    "dispatch mode only": None,
     "record": dict(all_casts=True, policy="record"),
     "warn": dict(all_casts=True, policy="warn"),
     "nonfinite": dict(nonfinite="record"),
@@ -90,6 +96,10 @@ TRACKS = {
 
 
 def tracked_step(model, x, autocast, options):
+    if options is None:
+        with _CountOps():
+            step(model, x, autocast)
+        return None
     with torchcast.track(**options) as report:
         step(model, x, autocast)
     report.health  # reading the module health is part of its cost
@@ -103,7 +113,7 @@ def measure(size, autocast, tracking, rounds):
     with counter:
         step(model, x, autocast)
     report = tracked_step(model, x, autocast, options)
-    casts = sum(r.calls for r in report.records)
+    casts = sum(r.calls for r in report.records) if report is not None else 0
     for _ in range(2):  # warm-up
         step(model, x, autocast)
         tracked_step(model, x, autocast, options)
@@ -129,7 +139,7 @@ def measure(size, autocast, tracking, rounds):
             "us_per_op": statistics.median(extra) / counter.n * 1e6}
 
 
-_TRACK_LABELS = {name: ", ".join(f"{k}={v!r}" for k, v in options.items())
+_TRACK_LABELS = {name: ", ".join(f"{k}={v!r}" for k, v in options.items()) if options else name
                  for name, options in TRACKS.items()}
 
 
@@ -156,14 +166,15 @@ def main():
         configs = [(size, True, t) for size in ("small", "tiny")
                    for t in ("nonfinite", "health", "nonfinite+health")]
     else:
-        configs = [("small", True, "record"), ("small", True, "warn"), ("tiny", False, "record"),
+        configs = [("small", True, "record"), ("small", True, "warn"),
+                   ("small", True, "dispatch mode only"), ("tiny", False, "record"),
                    ("tiny", True, "record"), ("small", False, "record")]
     if opts.models:
         if not thirdparty.available():
             sys.exit("--models: resnet18 and GPT-2 are not installed; see benchmarks/thirdparty.py")
         configs += [(m, True, t) for m in ("resnet18", "gpt2")
                     for t in (("nonfinite", "health", "nonfinite+health") if opts.watch
-                              else ("record",))]
+                              else ("record", "dispatch mode only"))]
     rows = [measure(size, autocast, tracking, opts.rounds) for size, autocast, tracking in configs]
     lines = [
         f"`{command}` — torch {torch.__version__}, torch.set_num_threads({opts.threads}), "

@@ -221,3 +221,18 @@ def test_tensor_health_object_reads_merges_and_round_trips():
     assert torch.equal(start.hist, hx.hist) and torch.equal(start.extrema, hx.extrema)
     with pytest.raises(ValueError, match="float32.*float16"):
         start.add_(torchcast.tensor_health(torch.ones(2)))
+
+
+def test_cpu_brings_the_health_to_the_host_once(device):
+    """TensorHealth.cpu(): the same counts on the host (itself when already
+    there), and headroom read from it as from the device's."""
+    x = on_device(all_values(torch.bfloat16), device)
+    h = torchcast.tensor_health(x)
+    host = h.cpu()
+    assert (host is h) == (device == "cpu")
+    for name in ("counts", "hist", "extrema"):
+        assert getattr(host, name).device.type == "cpu"
+        assert torch.equal(getattr(host, name), getattr(h, name).cpu())
+    for fmt in (torch.float16, torch.float8_e4m3fn):
+        assert torchcast.headroom.headroom(host, fmt, "amax") == \
+            torchcast.headroom.headroom(h, fmt, "amax")

@@ -72,6 +72,15 @@ class TensorHealth:
         return TensorHealth(self.dtype, self.counts.clone(), self.hist.clone(),
                             self.extrema.clone()).add_(other)
 
+    def cpu(self) -> "TensorHealth":
+        """This health on the host (itself when it is there already): one
+        transfer, for reading it several times (``headroom`` in every
+        format)."""
+        if self.hist.device.type == "cpu":
+            return self
+        counts, hist, extrema = (t.cpu() for t in (self.counts, self.hist, self.extrema))
+        return TensorHealth(self.dtype, counts, hist, extrema)
+
     # -- reading (each a sync) ----------------------------------------------------
     def read(self) -> "HealthValues":
         """Every count and extremum, read in one transfer."""

@@ -386,7 +386,8 @@ class Report:
             data["nonfinite"] = [o.to_dict() for o in self.nonfinite]
             data["propagated"] = self.propagated
         if self.health_watch is not None:
-            rows = self.health
+            # On the host once: each row is read for 8 headroom entries.
+            rows = [dataclasses.replace(r, health=r.health.cpu()) for r in self.health]
             data["health"] = [r.to_dict() for r in rows]
             data["headroom"] = [
                 HeadroomRow(r.module, r.phase, r.dtype, r.headroom(fmt, scale)).to_dict()
