@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchcast
-from torchcast.tracker.html import render_html
+from torchcast.tracker.html import OPEN_ENTRIES, render_html
 from torchcast.tracker.tensorboard import write_tensorboard
 
 import chromium  # tests/chromium.py
@@ -49,11 +49,14 @@ class _Page(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.tags, self.classes, self.urls, self.text = [], [], [], []
+        self.details = []  # (class, open) of each <details>
 
     def handle_starttag(self, tag, attrs):
         self.tags.append(tag)
         attrs = dict(attrs)
         self.classes.append((tag, attrs.get("class", "")))
+        if tag == "details":
+            self.details.append((attrs.get("class", ""), "open" in attrs))
         for name in ("src", "href", "xlink:href"):
             if name in attrs:
                 self.urls.append(attrs[name])
@@ -88,6 +91,32 @@ def test_page_is_self_contained_and_complete(report, tmp_path):
     assert "aten::addmm" in body and "Where NaN/inf first appeared" in body
     assert all(r["site"] in body for r in data["records"])
     assert "float8_e4m3fn" in body
+
+
+def test_a_long_report_folds_past_the_worst_entries():
+    """A model with more module entries than OPEN_ENTRIES: the worst ones
+    (and any with NaN/inf) open, the rest folded with every histogram still
+    on the page; headroom rows that lose nothing folded below the table."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(10)])
+    with torch.no_grad():
+        model[-1].weight.fill_(1e38)  # the last layer overflows
+    with torchcast.track(health=True) as rep:
+        model(torch.randn(4, 8) * torch.tensor([1e-30, 1.0, 1e30, 1.0] * 2))
+    data = rep.to_dict()
+    page = parse(render_html(data))
+    modules = [opened for cls, opened in page.details if cls == "module"]
+    assert len(modules) == len(data["health"]) > OPEN_ENTRIES
+    nonfinite = [h["nan"] + h["posinf"] + h["neginf"] > 0 for h in data["health"]]
+    assert modules == [i < OPEN_ENTRIES or bad for i, bad in enumerate(nonfinite)]
+    assert not all(modules) and any(nonfinite)
+    assert sum(1 for t, c in page.classes if t == "svg") == len(data["health"])
+    lossless = [r for r in data["headroom"]
+                if r["overflow"] == r["underflow"] == r["subnormal"] == 0]
+    assert 0 < len(lossless) < len(data["headroom"])
+    assert [cls for cls, opened in page.details if not opened].count("lossless") == 1
+    headroom_only = parse(render_html({"headroom": data["headroom"]}))
+    assert headroom_only.tags.count("tr") == len(data["headroom"]) + 2  # two header rows
 
 
 def test_user_text_is_escaped():

@@ -5,8 +5,9 @@ values, so a saved JSON report renders the same.
 Sections: a summary; the ops that first made NaN/inf; the cast sites; per
 module and phase, the histogram of |x| by binade drawn over the windows that
 float16, bfloat16, float8_e4m3fn and float8_e5m2 represent (subnormal range
-lighter), where the mass falling off a window is what a cast to it loses;
-and the headroom table.
+lighter), where the mass falling off a window is what a cast to it loses
+(worst first, the rest folded to one-line headers); and the headroom table
+(the casts that would lose nothing folded below it).
 """
 import html
 import math
@@ -28,7 +29,8 @@ th { background: #f3f5f9; } td.l, th.l { text-align: left; }
 tr.violation td { background: #fff1f0; } .bad { color: #b3261e; font-weight: 600; }
 .origin { border-left: 4px solid #b3261e; background: #fff7f6; padding: 8px 12px; margin: 8px 0; }
 .note { color: #4a5468; } code { font: 12px ui-monospace, monospace; }
-.module { margin: 18px 0 4px; } .module b { font-family: ui-monospace, monospace; }
+.module { margin: 10px 0 4px; } .module b { font-family: ui-monospace, monospace; }
+summary { cursor: pointer; }
 svg text { font: 10px system-ui, sans-serif; fill: #4a5468; }
 .bar { fill: #3f6fd8; } .bar.nonfinite { fill: #b3261e; }
 .window.normal { fill: #2f9e6b; opacity: 0.55; } .window.subnormal { fill: #2f9e6b; opacity: 0.2; }
@@ -189,6 +191,11 @@ def _axis(entries: List[Dict[str, Any]]) -> tuple:
     return max(lo - 2, -149), min(hi + 2, 127)
 
 
+# Histograms drawn open at first (worst first); the others fold to their
+# one-line headers, so that a model's hundred entries stay one screen of them.
+OPEN_ENTRIES = 8
+
+
 def _health(data: Dict[str, Any]) -> str:
     entries = data.get("health")
     if not entries:
@@ -198,18 +205,21 @@ def _health(data: Dict[str, Any]) -> str:
              '<p class="note">Bars: elements per binade (log scale); red: NaN/inf; dashed: '
              "amax. Bands: the range each format represents, subnormal lighter. A cast to a "
              "format flushes what lies left of its band and overflows what lies right of it "
-             "(at scale 1: see the headroom table for scaled casts).</p>"]
-    for entry in entries:
+             "(at scale 1: see the headroom table for scaled casts). Worst first: the first "
+             f"{OPEN_ENTRIES} entries and any with NaN/inf are open; click a header to open "
+             "another.</p>"]
+    for i, entry in enumerate(entries):
         nonfinite = entry["nan"] + entry["posinf"] + entry["neginf"]
         low = entry.get("min_nonzero")
+        opened = " open" if i < OPEN_ENTRIES or nonfinite else ""
         parts.append(
-            f'<div class="module"><b>{_e(entry.get("module") or "-")}</b> &middot; '
-            f'{_e(entry["phase"])} &middot; {_e(_short(entry["dtype"]))} &middot; '
+            f'<details class="module"{opened}><summary><b>{_e(entry.get("module") or "-")}</b>'
+            f' &middot; {_e(entry["phase"])} &middot; {_e(_short(entry["dtype"]))} &middot; '
             f'{_e(entry["numel"])} elements &middot; amax {_e(_number(entry["amax"]))} &middot; '
             f'min nonzero {_e(_number(low))} &middot; zeros {_e(entry["zero"])} &middot; '
             f'subnormal {_e(entry["subnormal"])}'
             + (f' &middot; <span class="bad">{nonfinite} NaN/inf</span>' if nonfinite else "")
-            + "</div>" + _histogram_svg(entry, lo, hi))
+            + "</summary>" + _histogram_svg(entry, lo, hi) + "</details>")
     return "".join(parts)
 
 
@@ -219,14 +229,25 @@ def _headroom(data: Dict[str, Any]) -> str:
         return ""
     pct = lambda x: "0" if x == 0 else f"{100 * x:.3g}%"  # noqa: E731
     ordered = sorted(rows, key=lambda r: (-r["overflow"], -r["underflow"], -r["subnormal"]))
-    body = [[_e(r.get("module") or "-"), _e(r["phase"]), _e(_short(r["format"])),
-             _e(f"2^{int(math.log2(r['scale']))}"), _e(pct(r["overflow"])),
-             _e(pct(r["underflow"])), _e(pct(r["subnormal"]))] for r in ordered]
-    return ("<h2>Headroom: what a cast would do (exact, from the histograms)</h2>"
+    header = ["module", "phase", "format", "scale", "overflow", "underflow to 0", "subnormal"]
+
+    def body(rows):
+        return [[_e(r.get("module") or "-"), _e(r["phase"]), _e(_short(r["format"])),
+                 _e(f"2^{int(math.log2(r['scale']))}"), _e(pct(r["overflow"])),
+                 _e(pct(r["underflow"])), _e(pct(r["subnormal"]))] for r in rows]
+
+    lossy = [r for r in ordered if r["overflow"] or r["underflow"] or r["subnormal"]]
+    lossless = ordered[len(lossy):]
+    page = ("<h2>Headroom: what a cast would do (exact, from the histograms)</h2>"
             '<p class="note">Scale 2^0: the values as they are; the other scale is the largest '
-            "power of two that keeps the entry's amax finite (per-tensor amax scaling).</p>"
-            + _table(["module", "phase", "format", "scale", "overflow", "underflow to 0",
-                      "subnormal"], body, left=3))
+            "power of two that keeps the entry's amax finite (per-tensor amax scaling).</p>")
+    if lossy:
+        page += _table(header, body(lossy), left=3)
+    if lossless:
+        page += (f'<details class="lossless"><summary>{_count(len(lossless), "cast")} '
+                 "that would lose nothing to overflow, underflow or subnormals</summary>"
+                 + _table(header, body(lossless), left=3) + "</details>")
+    return page
 
 
 def render_html(data: Dict[str, Any]) -> str:
