@@ -36,7 +36,8 @@ from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .health import HealthWatch
 from . import nonfinite
-from .nonfinite import NonFiniteError, NonFiniteOrigin, NonFiniteWarning, NonFiniteWatch, check_action
+from .nonfinite import NonFiniteWatch, check_action
+from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
 from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,

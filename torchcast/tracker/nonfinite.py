@@ -19,22 +19,22 @@ the output's NaN/+inf/-inf counts, each floating input's dtype, shape and
 amax, and what the op gives when run again in a wider dtype: whether the
 narrow dtype's range was the problem.
 """
-import dataclasses
 import math
 import sys
 import threading
 import warnings
 from types import FrameType
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .. import _ops
-from .._inputs import PLAIN_TENSOR_TYPES
 from .diagnose import op_name
 from .modules import current_module, module_of_node
-from .sites import short_path, user_site
+from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
+                               amax_of, floating_data, wider_note)
+from .sites import user_site
 
 ACTIONS = ("raise", "record", "warn")
 PENDING_LIMIT = 256
@@ -50,109 +50,6 @@ _UNCHECKED = frozenset((
     "slice_backward", "relu", "relu_", "threshold_backward", "bernoulli_", "zero_", "fill_",
     "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "masked_fill",
     "masked_fill_"))
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
-          torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32,
-          torch.float32: torch.float64}
-
-
-class NonFiniteWarning(UserWarning):
-    """An op made NaN or ±inf from finite inputs (``track(nonfinite="warn")``)."""
-
-
-@dataclasses.dataclass
-class InputInfo:
-    """A floating input of a non-finite origin."""
-
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-    amax: float  # the largest |x| (its inputs are finite at an origin)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"dtype": str(self.dtype), "shape": list(self.shape), "amax": self.amax}
-
-
-@dataclasses.dataclass
-class NonFiniteOrigin:
-    """An op that produced NaN or ±inf from finite inputs.
-
-    ``module`` is the running module's path in forward and, in backward, the
-    path of the module whose forward made the autograd node (``node``, e.g.
-    "AddmmBackward0"). ``file``/``line`` are the user's frame (in backward,
-    the line that started it, such as ``loss.backward()``), ``via`` the
-    library frame it came through. ``nan``, ``posinf``, ``neginf`` count the
-    first call's output; ``count`` how many calls at this place were origins.
-    ``note`` says what the op gives in a wider dtype.
-    """
-
-    op: str
-    module: Optional[str]
-    phase: str
-    node: Optional[str]
-    file: str
-    line: int
-    via: Optional[str]
-    dtype: torch.dtype
-    nan: int
-    posinf: int
-    neginf: int
-    inputs: List[InputInfo]
-    note: str
-    count: int = 1
-
-    @property
-    def key(self) -> tuple:
-        return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via)
-
-    def describe(self) -> str:
-        """One paragraph: what, where, and why."""
-        where = f"{short_path(self.file)}:{self.line}" + (f" via {self.via}" if self.via else "")
-        module = f" in {self.module}" if self.module else ""
-        phase = (f"backward ({self.node}, of{module or ' no tracked module'}'s forward)"
-                 if self.phase == "backward" else f"forward{module}")
-        found = ", ".join(f"{n} {what}" for n, what in
-                          ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
-        inputs = "; ".join(f"{_short(i.dtype)}{list(i.shape)} amax {i.amax:.4g}"
-                           for i in self.inputs) or "no floating tensor inputs"
-        return (f"{self.op} made {found} in its {_short(self.dtype)} output from finite "
-                f"inputs, {phase}, at {where}. Inputs: {inputs}. {self.note}")
-
-    def to_dict(self) -> Dict[str, Any]:
-        """JSON-ready values (dtypes as strings)."""
-        d = dataclasses.asdict(self)
-        d["dtype"] = str(self.dtype)
-        d["inputs"] = [i.to_dict() for i in self.inputs]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "NonFiniteOrigin":
-        d = dict(d)
-        d["dtype"] = _dtype_from_str(d["dtype"])
-        d["inputs"] = [InputInfo(_dtype_from_str(i["dtype"]), tuple(i["shape"]), i["amax"])
-                       for i in d["inputs"]]
-        return cls(**d)
-
-
-class NonFiniteError(RuntimeError):
-    """The first op that made NaN or ±inf from finite inputs
-    (``track(nonfinite="raise")``). ``origin`` is its NonFiniteOrigin; its
-    fields are also attributes of the error (``error.op``, ``error.module``)."""
-
-    def __init__(self, origin: NonFiniteOrigin):
-        super().__init__(origin.describe())
-        self.origin = origin
-
-    def __getattr__(self, name):
-        if name == "origin":
-            raise AttributeError(name)
-        return getattr(self.origin, name)
-
-
-def _short(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def _dtype_from_str(name):
-    return getattr(torch, name.replace("torch.", ""))
 
 
 _Tensor = torch.Tensor
@@ -172,10 +69,6 @@ def _op_kind(func) -> str:
     return _CHECK
 
 
-def _floating(t):
-    return type(t) in PLAIN_TENSOR_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
-
-
 def _bad(values: Sequence[Any]) -> bool:
     """Whether any floating tensor or Python float among ``values`` is non-finite
     (CPU tensors only)."""
@@ -183,7 +76,7 @@ def _bad(values: Sequence[Any]) -> bool:
         if isinstance(v, float):
             if not math.isfinite(v):
                 return True
-        elif isinstance(v, torch.Tensor) and _floating(v):
+        elif isinstance(v, torch.Tensor) and floating_data(v):
             if not (_ops.all_finite(v) if v.device.type == "cpu" else bool(torch.isfinite(v).all())):
                 return True
     return False
@@ -201,51 +94,11 @@ def inputs_nonfinite(args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
 
 def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
     """A bool tensor on ``device``: whether any value is non-finite, without a sync."""
-    flags = [~torch.isfinite(v).all() for v in values if isinstance(v, torch.Tensor) and _floating(v)]
+    flags = [~torch.isfinite(v).all() for v in values if isinstance(v, torch.Tensor) and floating_data(v)]
     scalar_bad = any(isinstance(v, float) and not math.isfinite(v) for v in values)
     flag = torch.stack([f.to(device) for f in flags]).any() if flags else \
         torch.zeros((), dtype=torch.bool, device=device)
     return flag | scalar_bad
-
-
-def _amax(t: torch.Tensor) -> float:
-    return float(t.detach().abs().max()) if t.numel() else 0.0
-
-
-def _wider_note(func, args, kwargs, out: torch.Tensor) -> str:
-    """What the op gives when its narrow floating inputs are widened."""
-    dtype = out.dtype
-    wider = _WIDER.get(dtype)
-    if wider is None:
-        return ""
-    name = op_name(func)
-    if name in ("_to_copy", "copy_", "copy"):
-        src = args[1] if name != "_to_copy" else args[0]
-        return (f"A cast to {_short(dtype)} of values up to {_amax(src):.4g}; "
-                f"{_short(dtype)}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
-
-    def widen(a):
-        if isinstance(a, torch.Tensor) and a.dtype == dtype:
-            return a.detach().to(wider)
-        return a
-    try:
-        with torch.no_grad():
-            again = func(*tree_map(widen, args), **tree_map(widen, kwargs))
-    except Exception:  # the op may not take the wider dtype: then there is nothing to tell
-        return ""
-    again = [t for t in tree_flatten(again)[0] if isinstance(t, torch.Tensor) and _floating(t)]
-    if not again or any(t.dtype == dtype for t in again):
-        return ""
-    if all(bool(torch.isfinite(t).all()) for t in again):
-        amax = max(_amax(t) for t in again)
-        limit = torch.finfo(dtype).max
-        if amax > limit:
-            return (f"In {_short(wider)} the result is finite with amax {amax:.4g}, above "
-                    f"{_short(dtype)}'s largest {limit:.6g}: {_short(dtype)}'s range overflowed.")
-        return (f"In {_short(wider)} the result is finite (amax {amax:.4g}): an intermediate "
-                f"inside the op overflowed {_short(dtype)}.")
-    return (f"The result is non-finite in {_short(wider)} too: not a matter of "
-            f"{_short(dtype)}'s range (a log or sqrt of a negative number, 0/0, inf - inf).")
 
 
 class NonFiniteWatch:
@@ -280,9 +133,9 @@ class NonFiniteWatch:
         if kind is _FIRST_OUTPUT:  # safe_to's cast: its result, not its stats (inf for an overflow)
             out = out[0]
         if type(out) is _Tensor:  # most ops: no pytree walk
-            outs = [out] if _floating(out) else []
+            outs = [out] if floating_data(out) else []
         else:
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _floating(t)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
         if not outs:
             return
         device = outs[0].device
@@ -335,16 +188,16 @@ class NonFiniteWatch:
     def _found(self, func, args, kwargs, outs, frame, where):
         module, phase, node, site = where
         out = next(t for t in outs if not bool(torch.isfinite(t).all()))
-        inputs = [InputInfo(t.dtype, tuple(t.shape), _amax(t))
+        inputs = [InputInfo(t.dtype, tuple(t.shape), amax_of(t))
                   for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and _floating(t)]
+                  if isinstance(t, torch.Tensor) and floating_data(t)]
         with torch.no_grad():
             nan, posinf, neginf = (int(torch.isnan(out).sum()), int(torch.isposinf(out).sum()),
                                    int(torch.isneginf(out).sum()))
         origin = NonFiniteOrigin(
             op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
             file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,
-            posinf=posinf, neginf=neginf, inputs=inputs, note=_wider_note(func, args, kwargs, out))
+            posinf=posinf, neginf=neginf, inputs=inputs, note=wider_note(func, args, kwargs, out))
         with self.lock:
             known = self.origins.get(origin.key)
             if known is not None:
@@ -434,7 +287,7 @@ def _on_origin(name: str, overload: str, outputs: list, inputs: list) -> None:
             args.append(value)
     if func is _CAST_WITH_STATS:
         outputs = outputs[:1]
-    outs = [t for t in outputs if isinstance(t, torch.Tensor) and _floating(t)]
+    outs = [t for t in outputs if isinstance(t, torch.Tensor) and floating_data(t)]
     where = _where(sys._getframe(1))
     for watch in list(_cpp.watches):
         watch._found(func, tuple(args), kwargs, outs, None, where)

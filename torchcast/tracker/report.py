@@ -14,7 +14,8 @@ from ..violations import Violations, ViolationsSpec
 from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHealth,
                      headroom_table, health_lines)
 from .html import render_html
-from .nonfinite import NonFiniteOrigin, NonFiniteWatch
+from .nonfinite import NonFiniteWatch
+from .nonfinite_origin import NonFiniteOrigin
 from .sites import short_path
 from .tensorboard import write_tensorboard
 

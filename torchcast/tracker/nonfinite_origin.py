@@ -1,0 +1,165 @@
+"""A non-finite origin (track(nonfinite=...)): the record of the op that
+first made NaN or ±inf, the error and warning that carry it, and the note
+that says whether the op's dtype was the problem (the op run again on
+wider inputs). nonfinite.py finds the origins.
+"""
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .._inputs import PLAIN_TENSOR_TYPES
+from .diagnose import op_name
+from .sites import short_path
+
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+          torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32,
+          torch.float32: torch.float64}
+
+
+class NonFiniteWarning(UserWarning):
+    """An op made NaN or ±inf from finite inputs (``track(nonfinite="warn")``)."""
+
+
+@dataclasses.dataclass
+class InputInfo:
+    """A floating input of a non-finite origin."""
+
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    amax: float  # the largest |x| (its inputs are finite at an origin)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"dtype": str(self.dtype), "shape": list(self.shape), "amax": self.amax}
+
+
+@dataclasses.dataclass
+class NonFiniteOrigin:
+    """An op that produced NaN or ±inf from finite inputs.
+
+    ``module`` is the running module's path in forward and, in backward, the
+    path of the module whose forward made the autograd node (``node``, e.g.
+    "AddmmBackward0"). ``file``/``line`` are the user's frame (in backward,
+    the line that started it, such as ``loss.backward()``), ``via`` the
+    library frame it came through. ``nan``, ``posinf``, ``neginf`` count the
+    first call's output; ``count`` how many calls at this place were origins.
+    ``note`` says what the op gives in a wider dtype.
+    """
+
+    op: str
+    module: Optional[str]
+    phase: str
+    node: Optional[str]
+    file: str
+    line: int
+    via: Optional[str]
+    dtype: torch.dtype
+    nan: int
+    posinf: int
+    neginf: int
+    inputs: List[InputInfo]
+    note: str
+    count: int = 1
+
+    @property
+    def key(self) -> tuple:
+        return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via)
+
+    def describe(self) -> str:
+        """One paragraph: what, where, and why."""
+        where = f"{short_path(self.file)}:{self.line}" + (f" via {self.via}" if self.via else "")
+        module = f" in {self.module}" if self.module else ""
+        phase = (f"backward ({self.node}, of{module or ' no tracked module'}'s forward)"
+                 if self.phase == "backward" else f"forward{module}")
+        found = ", ".join(f"{n} {what}" for n, what in
+                          ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
+        inputs = "; ".join(f"{_short(i.dtype)}{list(i.shape)} amax {i.amax:.4g}"
+                           for i in self.inputs) or "no floating tensor inputs"
+        return (f"{self.op} made {found} in its {_short(self.dtype)} output from finite "
+                f"inputs, {phase}, at {where}. Inputs: {inputs}. {self.note}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready values (dtypes as strings)."""
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.dtype)
+        d["inputs"] = [i.to_dict() for i in self.inputs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "NonFiniteOrigin":
+        d = dict(d)
+        d["dtype"] = _dtype_from_str(d["dtype"])
+        d["inputs"] = [InputInfo(_dtype_from_str(i["dtype"]), tuple(i["shape"]), i["amax"])
+                       for i in d["inputs"]]
+        return cls(**d)
+
+
+class NonFiniteError(RuntimeError):
+    """The first op that made NaN or ±inf from finite inputs
+    (``track(nonfinite="raise")``). ``origin`` is its NonFiniteOrigin; its
+    fields are also attributes of the error (``error.op``, ``error.module``)."""
+
+    def __init__(self, origin: NonFiniteOrigin):
+        super().__init__(origin.describe())
+        self.origin = origin
+
+    def __getattr__(self, name):
+        if name == "origin":
+            raise AttributeError(name)
+        return getattr(self.origin, name)
+
+
+def _short(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _dtype_from_str(name):
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def floating_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor with floating (or complex) values to read."""
+    return type(t) in PLAIN_TENSOR_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
+
+
+def amax_of(t: torch.Tensor) -> float:
+    """The largest |t| (0 for an empty t); one read."""
+    return float(t.detach().abs().max()) if t.numel() else 0.0
+
+
+def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
+    """What the op ``func`` gives when its inputs of ``out``'s narrow
+    floating dtype are widened (a sentence for NonFiniteOrigin.note)."""
+    dtype = out.dtype
+    wider = _WIDER.get(dtype)
+    if wider is None:
+        return ""
+    name = op_name(func)
+    if name in ("_to_copy", "copy_", "copy"):
+        src = args[1] if name != "_to_copy" else args[0]
+        return (f"A cast to {_short(dtype)} of values up to {amax_of(src):.4g}; "
+                f"{_short(dtype)}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
+
+    def widen(a):
+        if isinstance(a, torch.Tensor) and a.dtype == dtype:
+            return a.detach().to(wider)
+        return a
+    try:
+        with torch.no_grad():
+            again = func(*tree_map(widen, args), **tree_map(widen, kwargs))
+    except Exception:  # the op may not take the wider dtype: then there is nothing to tell
+        return ""
+    again = [t for t in tree_flatten(again)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
+    if not again or any(t.dtype == dtype for t in again):
+        return ""
+    if all(bool(torch.isfinite(t).all()) for t in again):
+        amax = max(amax_of(t) for t in again)
+        limit = torch.finfo(dtype).max
+        if amax > limit:
+            return (f"In {_short(wider)} the result is finite with amax {amax:.4g}, above "
+                    f"{_short(dtype)}'s largest {limit:.6g}: {_short(dtype)}'s range overflowed.")
+        return (f"In {_short(wider)} the result is finite (amax {amax:.4g}): an intermediate "
+                f"inside the op overflowed {_short(dtype)}.")
+    return (f"The result is non-finite in {_short(wider)} too: not a matter of "
+            f"{_short(dtype)}'s range (a log or sqrt of a negative number, 0/0, inf - inf).")
