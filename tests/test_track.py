@@ -141,6 +141,55 @@ def test_single_rounding_pairs_match_torch_bitwise(src, dst, shape, transpose, s
     assert_stats_match(rec.stats, stats_of_cast(x, expected))
 
 
+def _to_copy_calls(fn):
+    """fn()'s result and how many aten::_to_copy calls the dispatcher ran
+    (the program's own, and the tracker's where it casts again)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(1 for e in prof.events() if e.name == "aten::_to_copy")
+
+
+def _every_value(dtype):
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return with_edges(wide(20000, torch.float64, seed=5, lo=-110, hi=100)).to(dtype)
+
+
+@pytest.mark.parametrize("src,dst", [
+    (s, d) for s in (torch.float32, torch.float16, torch.bfloat16)
+    for d in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) if s != d])
+def test_tracked_cast_returns_the_measured_result_where_it_has_torchs_bits(src, dst):
+    """For a contiguous x without NaN the tracker returns the fused op's y
+    instead of casting again (one aten::_to_copy: the program's), and y has
+    torch's bits: every 16-bit value (or wide float32 values with zeros,
+    infinities, overflow and subnormals), in grad mode and under autocast.
+    With NaN in x (whose bits torch may spell otherwise) torch casts: two
+    aten::_to_copy calls, torch's bits."""
+    values = _every_value(src)
+    nan = values.isnan()
+    for x, reused in ((values[~nan], True), (values, False)):
+        expected = x.to(dst)
+        with torchcast.track(all_casts=True, policy="record") as report:
+            got, calls = _to_copy_calls(lambda: x.to(dst))
+        assert torch.equal(bits(got), bits(expected)) and got.stride() == expected.stride()
+        assert calls == (1 if reused else 2)
+        assert_stats_match(only(report).stats, stats_of_cast(x, expected))
+    x = values[~nan][:4096].reshape(64, 64).clone().requires_grad_()
+    with torchcast.track(all_casts=True, policy="record") as report:
+        got = x.to(dst)
+        got.float().sum().backward()
+    assert got.requires_grad and torch.equal(bits(got), bits(x.detach().to(dst)))
+    assert torch.equal(x.grad, torch.ones_like(x))
+    if dst in (torch.float16, torch.bfloat16) and src == torch.float32:
+        w = torch.randn(64, 64)
+        with torch.autocast("cpu", dtype=dst):
+            expected = x.detach() @ w
+            with torchcast.track(all_casts=True, policy="record") as report:
+                got, calls = _to_copy_calls(lambda: x.detach() @ w)
+        assert torch.equal(bits(got), bits(expected)) and calls == 2  # x's and w's casts
+        assert sum(r.calls for r in report.records if r.origin == "autocast") == 2
+
+
 @pytest.mark.parametrize("dst", [torch.float16, torch.bfloat16])
 def test_double_rounding_returns_torchs_value_and_measures_it(dst):
     """torch casts float64 -> float16/bfloat16 through float32 (two

@@ -15,9 +15,10 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from ..stats import merge_stats_tensors, stats_tensor
+from ..stats import STAT_FIELDS, merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
+_NAN = STAT_FIELDS.index("nan")
 
 # Real dtypes the fused op measures, by precision rank (the two float8
 # formats cannot be cast into each other).
@@ -58,18 +59,19 @@ def _double_rounded_stats(x, dtype, t):
 
 
 def _measure(x, dtype, t):
-    """(stats tensor, double-rounded count or None, y as PyTorch casts it) for
-    real floating x cast to the narrower-or-equal-rank real ``dtype``; t is
-    PyTorch's result when already computed."""
+    """(stats tensor, double-rounded count or None, y, whether y is
+    PyTorch's own result) for real floating x cast to the narrower-or-equal-
+    rank real ``dtype``; t is PyTorch's result when already computed. y is
+    PyTorch's for the pairs it rounds twice, else the fused op's."""
     if (x.dtype, dtype) in _DOUBLE_ROUNDED:
         if t is None or t.device != x.device:
             t = _TO_COPY(x, dtype=dtype)
         if x.numel() == 0:
-            return _ops.cast_with_stats(x, dtype)[1], None, t
+            return _ops.cast_with_stats(x, dtype)[1], None, t, True
         stats, differ = _double_rounded_stats(x, dtype, t)
-        return stats, differ, t
+        return stats, differ, t, True
     y, stats = _ops.cast_with_stats(x, dtype)
-    return stats, None, y
+    return stats, None, y, False
 
 
 @dataclasses.dataclass
@@ -91,6 +93,23 @@ class MeasuredCast:
     double_rounded: Optional[torch.Tensor] = None
     x: Optional[torch.Tensor] = None
     y: Optional[torch.Tensor] = None
+    y_is_torch: bool = False  # y is PyTorch's own result, not the fused op's
+
+    def torch_result(self) -> Optional[torch.Tensor]:
+        """y where it holds the bits PyTorch's ``x.to(dtype)`` gives, so that
+        the tracker can return it instead of casting again; None elsewhere.
+        The fused op rounds correctly, and so does PyTorch for every pair it
+        does not round twice (tests/test_track.py checks the two agree bit
+        for bit), but NaN may be spelled with other bits: y stands in only
+        where x holds none, which is read on the CPU only (elsewhere the
+        read would synchronize)."""
+        if self.y is None or self.stats is None:
+            return None
+        if self.y_is_torch:
+            return self.y
+        if self.x is None or not self.x.is_cpu or self.stats[_NAN].item() != 0:
+            return None
+        return self.y
 
 
 def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor],
@@ -123,8 +142,9 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 <-> float8, others
     if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:  # widening (or the real part kept): exact
         return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
-    stats, differ, y = _measure(src, dtype, t)
-    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y)
+    stats, differ, y, y_is_torch = _measure(src, dtype, t)
+    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y,
+                        y_is_torch=y_is_torch)
 
 
 def _measure_complex(src, dtype, t, grad_enabled):

@@ -12,7 +12,7 @@ every op. A tracked cast returns exactly what PyTorch returns.
 import sys
 import threading
 from types import FrameType
-from typing import List, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,11 +164,28 @@ def _tracked_cast(recorders, func, args, kwargs):
     where = locate_cast(sys._getframe(1), src, copy=dst is not None)
     if where is None:
         return func(*args, **kwargs)
-    # A fresh result can be computed first and measured as it is; copy_ is
-    # measured before it writes, so that policy "raise" leaves dst untouched.
-    out = func(*args, **kwargs) if dst is None else None
+    if dst is not None:
+        # Measured before it writes, so that policy "raise" leaves dst untouched.
+        report_cast(recorders, where, src, dtype, None)
+        return func(*args, **kwargs)
+    if _same_result(src, kwargs):
+        # The measuring op's result stands in for PyTorch's where it has
+        # its bits: one cast instead of two.
+        return report_cast(recorders, where, src, dtype, None,
+                           torch_cast=lambda: func(*args, **kwargs))
+    out = func(*args, **kwargs)
     report_cast(recorders, where, src, dtype, out)
-    return func(*args, **kwargs) if out is None else out
+    return out
+
+
+def _same_result(src, kwargs):
+    """Whether ``aten._to_copy(src, **kwargs)`` lays out its result as the
+    measuring op does: a dtype-only cast on src's device of a real,
+    contiguous src (both results contiguous)."""
+    for name, value in kwargs.items():
+        if name != "dtype" and not (name == "device" and value == src.device):
+            return False
+    return src.is_floating_point() and src.is_contiguous()
 
 
 class CastPlace(NamedTuple):
@@ -200,7 +217,9 @@ def locate_cast(frame: Optional[FrameType], src: torch.Tensor, copy: bool) -> Op
 
 
 def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.Tensor,
-                dtype: torch.dtype, out: Optional[torch.Tensor]) -> None:
+                dtype: torch.dtype, out: Optional[torch.Tensor],
+                torch_cast: Optional[Callable[[], torch.Tensor]] = None) \
+        -> Optional[torch.Tensor]:
     """Measures a cast of ``src`` to ``dtype`` and reports it to every
     recorder (which may raise, under policy "raise").
 
@@ -209,10 +228,14 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
         where: the cast's place (locate_cast).
         src, dtype: the cast.
         out: PyTorch's result, when already computed (None: a copy_ that has
-            not written yet).
+            not written yet, or a result still to make: ``torch_cast``).
+        torch_cast: with ``out`` None, makes PyTorch's result where the
+            measurement did not (MeasuredCast.torch_result).
+
+    Returns:
+        The cast's result: ``out``, or with ``torch_cast`` the measured y or
+        what ``torch_cast()`` made; None for a copy_.
     """
-    if where.origin == "autocast" and out is not None:
-        made_by_autocast(where.caller, out)
     grad_enabled = torch.is_grad_enabled()
     # torch.no_grad(), without the 2-3 us its Python context manager costs
     # on every cast.
@@ -221,8 +244,14 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
         cast = measure_cast(src, dtype, out, grad_enabled)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
+    if torch_cast is not None:
+        out = cast.torch_result() if cast is not None else None
+        if out is None:
+            out = torch_cast()
+    if where.origin == "autocast" and out is not None:
+        made_by_autocast(where.caller, out)
     if cast is None:
-        return
+        return out
     key = (where.module, where.site.file, where.site.line, where.origin, None, cast.src_dtype,
            cast.dtype, where.site.via)
     pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
@@ -231,6 +260,7 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
         recorder.add_cast(key, cast)
     for recorder in recorders:
         recorder.apply_policy(key, cast, pending)
+    return out
 
 
 def active_recorders() -> List[CastRecorder]:
