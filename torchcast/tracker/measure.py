@@ -107,7 +107,7 @@ class MeasuredCast:
             return None
         if self.y_is_torch:
             return self.y
-        if self.x is None or not self.x.is_cpu or self.stats[_NAN].item() != 0:
+        if self.x is None or not self.x.is_cpu or self.stats.tolist()[_NAN] != 0:
             return None
         return self.y
 
@@ -129,6 +129,21 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         (integer and bool sources, float -> integer casts that cut nothing).
     """
     s_dt = src.dtype
+    s_rank, d_rank = _RANK.get(s_dt), _RANK.get(dtype)
+    if s_rank is None or d_rank is None:
+        return _measure_other(src, dtype, t, grad_enabled)
+    if d_rank > s_rank or dtype == s_dt:  # widening (or the real part kept): exact
+        return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
+    if d_rank == s_rank == 1:  # float8 <-> float8
+        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)
+    stats, differ, y, y_is_torch = _measure(src, dtype, t)
+    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y,
+                        y_is_torch=y_is_torch)
+
+
+def _measure_other(src, dtype, t, grad_enabled):
+    """measure_cast where src's or dtype's is not a real floating dtype of _RANK."""
+    s_dt = src.dtype
     if s_dt.is_complex or dtype.is_complex:
         return _measure_complex(src, dtype, t, grad_enabled)
     if s_dt.is_floating_point and not dtype.is_floating_point:
@@ -137,14 +152,7 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         return None
     if not (s_dt.is_floating_point and dtype.is_floating_point):
         return None  # integer and bool sources: not a precision question track answers
-    float8_to_float8 = s_dt != dtype and _RANK.get(s_dt) == _RANK.get(dtype) == 1
-    if s_dt not in _RANK or dtype not in _RANK or float8_to_float8:
-        return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # float8 <-> float8, others
-    if _RANK[dtype] > _RANK[s_dt] or dtype == s_dt:  # widening (or the real part kept): exact
-        return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
-    stats, differ, y, y_is_torch = _measure(src, dtype, t)
-    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y,
-                        y_is_torch=y_is_torch)
+    return MeasuredCast(s_dt, dtype, src.numel(), measured=False)  # other floating formats
 
 
 def _measure_complex(src, dtype, t, grad_enabled):
