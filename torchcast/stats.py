@@ -98,7 +98,7 @@ class CastStats:
             raise ValueError(
                 f"CastStats.from_tensor: stats must be a 1-D tensor, as cast_with_stats returns "
                 f"it: expected {len(STAT_FIELDS)} values ({', '.join(STAT_FIELDS)}), {got}")
-        return cls.from_values(stats.detach().to("cpu", torch.float64).tolist(), src_dtype, dtype)
+        return cls.from_values(stats.tolist(), src_dtype, dtype)
 
     @classmethod
     def from_values(cls, values: Sequence[float], src_dtype: Optional[torch.dtype] = None,
@@ -113,10 +113,10 @@ class CastStats:
         Returns:
             The CastStats those values describe.
         """
-        fields = dict(zip(STAT_FIELDS, values))
-        for name in COUNT_FIELDS:
-            fields[name] = int(fields[name])
-        return cls(src_dtype, dtype, **fields)
+        # Positional, in STAT_FIELDS' order: a safe_to under policy "warn"
+        # reads stats on every call.
+        values = [int(v) if count else v for v, count in zip(values, _IS_COUNT)]
+        return cls(src_dtype, dtype, *values)
 
     def __add__(self, other: "CastStats") -> "CastStats":
         """The stats of both casts together: counts and sums add, maxima take
@@ -192,6 +192,7 @@ class CastStats:
 _STATS = [f for f in dataclasses.fields(CastStats) if "merge" in f.metadata]
 STAT_FIELDS = tuple(f.name for f in _STATS)  # the layout of a stats tensor
 COUNT_FIELDS = tuple(f.name for f in _STATS if f.type is int)
+_IS_COUNT = tuple(f.type is int for f in _STATS)
 MAX_FIELDS = tuple(f.name for f in _STATS if f.metadata["merge"] == "max")
 SUM_FIELDS = tuple(f.name for f in _STATS if f.type is float and f.metadata["merge"] == "add")
 _ADDED = tuple(f.name for f in _STATS if f.metadata["merge"] == "add")
