@@ -190,6 +190,20 @@ def test_tracked_cast_returns_the_measured_result_where_it_has_torchs_bits(src, 
         assert sum(r.calls for r in report.records if r.origin == "autocast") == 2
 
 
+@pytest.mark.parametrize("src", [torch.float64, torch.float32])
+def test_tracked_cast_to_complex_returns_torchs_complex_result(src):
+    """A real x cast to a complex dtype: measured on its real part, and the
+    result is torch's complex tensor, not the measured real part."""
+    x = wide(1000, src, seed=2, lo=-30, hi=30)
+    for dtype in (torch.complex64, torch.complex128):
+        expected = x.to(dtype)
+        with torchcast.track(all_casts=True, policy="record") as report:
+            got = x.to(dtype)
+        assert got.dtype == dtype and torch.equal(got, expected)
+        assert torch.equal(bits(torch.view_as_real(got)), bits(torch.view_as_real(expected)))
+        assert only(report).dtype == dtype
+
+
 @pytest.mark.parametrize("dst", [torch.float16, torch.bfloat16])
 def test_double_rounding_returns_torchs_value_and_measures_it(dst):
     """torch casts float64 -> float16/bfloat16 through float32 (two

@@ -103,8 +103,8 @@ class MeasuredCast:
         for bit), but NaN may be spelled with other bits: y stands in only
         where x holds none, which is read on the CPU only (elsewhere the
         read would synchronize)."""
-        if self.y is None or self.stats is None:
-            return None
+        if self.y is None or self.stats is None or self.y.dtype != self.dtype:
+            return None  # (a complex cast measures its real part)
         if self.y_is_torch:
             return self.y
         if self.x is None or not self.x.is_cpu or self.stats.tolist()[_NAN] != 0:
