@@ -160,7 +160,8 @@ def _every_value(dtype):
     for d in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2) if s != d])
 def test_tracked_cast_returns_the_measured_result_where_it_has_torchs_bits(src, dst):
     """For a contiguous x without NaN the tracker returns the fused op's y
-    instead of casting again (one aten::_to_copy: the program's), and y has
+    instead of casting again (with the compiled kernels, one aten::_to_copy:
+    the program's), and y has
     torch's bits: every 16-bit value (or wide float32 values with zeros,
     infinities, overflow and subnormals), in grad mode and under autocast.
     With NaN in x (whose bits torch may spell otherwise) torch casts: two
@@ -172,7 +173,8 @@ def test_tracked_cast_returns_the_measured_result_where_it_has_torchs_bits(src, 
         with torchcast.track(all_casts=True, policy="record") as report:
             got, calls = _to_copy_calls(lambda: x.to(dst))
         assert torch.equal(bits(got), bits(expected)) and got.stride() == expected.stride()
-        assert calls == (1 if reused else 2)
+        if _ops.WITH_EXTENSION:  # the pure-PyTorch measuring op casts inside
+            assert calls == (1 if reused else 2)
         assert_stats_match(only(report).stats, stats_of_cast(x, expected))
     x = values[~nan][:4096].reshape(64, 64).clone().requires_grad_()
     with torchcast.track(all_casts=True, policy="record") as report:
@@ -186,7 +188,8 @@ def test_tracked_cast_returns_the_measured_result_where_it_has_torchs_bits(src, 
             expected = x.detach() @ w
             with torchcast.track(all_casts=True, policy="record") as report:
                 got, calls = _to_copy_calls(lambda: x.detach() @ w)
-        assert torch.equal(bits(got), bits(expected)) and calls == 2  # x's and w's casts
+        assert torch.equal(bits(got), bits(expected))
+        assert calls == 2 or not _ops.WITH_EXTENSION  # x's and w's casts
         assert sum(r.calls for r in report.records if r.origin == "autocast") == 2
 
 
