@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "../all_finite.h"
-#include "../numerics.h"
+#include "../health.h"
 #include "simd.h"
 
 namespace torchcast {
@@ -54,26 +54,26 @@ struct BlockCounts {
   Bits nan = 0, inf = 0, amax = 0;
 };
 
-// nan_above: the largest magnitude that is not NaN; finite_end: the smallest
-// that is not finite (infinity's bits, or e4m3fn's NaN).
-template <typename Bits>
-TC_CPU_CLONES BlockCounts<Bits> count_block(const Bits* __restrict__ p, int64_t n, Bits nan_above,
-                                            Bits inf_bits, Bits finite_end) {
-  constexpr Bits kAbs = static_cast<Bits>(static_cast<Bits>(~Bits{0}) >> 1);
+// F: the dtype's health::Format (health.h), whose kNonFinite is the smallest
+// magnitude that is not finite: infinity's, or float8_e4m3fn's NaN.
+template <typename F>
+TC_CPU_CLONES BlockCounts<typename F::bits_t> count_block(const typename F::bits_t* __restrict__ p,
+                                                          int64_t n) {
+  using Bits = typename F::bits_t;
   Bits nan = 0, inf = 0, amax = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const Bits a = p[i] & kAbs;
-    nan += Bits(a > nan_above);
-    inf += Bits(a == inf_bits);
+    const Bits a = p[i] & F::kAbsMask;
+    nan += Bits(F::kHasInf ? a > F::kNonFinite : a == F::kNonFinite);
+    if constexpr (F::kHasInf) inf += Bits(a == F::kNonFinite);
     // A mask, not a select: gcc 12 does not vectorize a conditional maximum.
-    amax = std::max<Bits>(amax, Bits(a & Bits(-Bits(a < finite_end))));
+    amax = std::max<Bits>(amax, Bits(a & Bits(-Bits(a < F::kNonFinite))));
   }
   return {nan, inf, amax};
 }
 
-template <typename Bits, typename Widen>
-NonfiniteCounts bits_nonfinite_counts(const at::Tensor& x, Bits nan_above, Bits inf_bits,
-                                      Bits finite_end, Widen widen) {
+template <typename F>
+NonfiniteCounts format_nonfinite_counts(const at::Tensor& x) {
+  using Bits = typename F::bits_t;
   const Bits* p = static_cast<const Bits*>(x.const_data_ptr());
   constexpr int64_t kCountMax =
       std::numeric_limits<Bits>::max() < uint64_t{kBlock} ? std::numeric_limits<Bits>::max()
@@ -89,14 +89,13 @@ NonfiniteCounts bits_nonfinite_counts(const at::Tensor& x, Bits nan_above, Bits 
       0, x.numel(), kGrain, Partial{},
       [&](int64_t begin, int64_t end, Partial acc) {
         for (int64_t b = begin; b < end; b += kCountMax) {
-          const auto c = count_block(p + b, std::min(end, b + kCountMax) - b, nan_above,
-                                     inf_bits, finite_end);
+          const auto c = count_block<F>(p + b, std::min(end, b + kCountMax) - b);
           acc = combine(acc, Partial{int64_t(c.nan), int64_t(c.inf), c.amax});
         }
         return acc;
       },
       combine);
-  return {total.nan, total.inf, widen(total.amax)};
+  return {total.nan, total.inf, health::magnitude_of<F>(total.amax)};
 }
 
 }  // namespace
@@ -105,29 +104,12 @@ NonfiniteCounts count_nonfinite(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.is_non_overlapping_and_dense(),
               "torchcast count_nonfinite: expected a dense CPU tensor");
   switch (x.scalar_type()) {
-    case at::kDouble:
-      return bits_nonfinite_counts<uint64_t>(x, 0x7ff0000000000000ULL, 0x7ff0000000000000ULL,
-                                             0x7ff0000000000000ULL,
-                                             [](uint64_t b) { return bit_cast<double>(b); });
-    case at::kFloat:
-      return bits_nonfinite_counts<uint32_t>(
-          x, 0x7f800000U, 0x7f800000U, 0x7f800000U,
-          [](uint32_t b) { return double(bit_cast<float>(b)); });
-    case at::kHalf:
-      return bits_nonfinite_counts<uint16_t>(
-          x, 0x7c00, 0x7c00, 0x7c00, [](uint16_t b) { return double(float_from_half_bits(b)); });
-    case at::kBFloat16:
-      return bits_nonfinite_counts<uint16_t>(x, 0x7f80, 0x7f80, 0x7f80, [](uint16_t b) {
-        return double(float_from_bfloat16_bits(b));
-      });
-    case at::kFloat8_e4m3fn:  // no inf: 0xff is out of reach of a magnitude
-      return bits_nonfinite_counts<uint8_t>(x, 0x7e, 0xff, 0x7f, [](uint8_t b) {
-        return double(float_from_float8_bits<Float8E4M3FNBits>(b));
-      });
-    case at::kFloat8_e5m2:
-      return bits_nonfinite_counts<uint8_t>(x, 0x7c, 0x7c, 0x7c, [](uint8_t b) {
-        return double(float_from_float8_bits<Float8E5M2Bits>(b));
-      });
+    case at::kDouble: return format_nonfinite_counts<health::Float64Format>(x);
+    case at::kFloat: return format_nonfinite_counts<health::Float32Format>(x);
+    case at::kHalf: return format_nonfinite_counts<health::Float16Format>(x);
+    case at::kBFloat16: return format_nonfinite_counts<health::BFloat16Format>(x);
+    case at::kFloat8_e4m3fn: return format_nonfinite_counts<health::Float8E4M3FnFormat>(x);
+    case at::kFloat8_e5m2: return format_nonfinite_counts<health::Float8E5M2Format>(x);
     default:
       TORCH_CHECK_TYPE(false, "torchcast count_nonfinite: expected a floating dtype, got ",
                        x.scalar_type());
