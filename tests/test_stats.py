@@ -8,7 +8,9 @@ import torch
 
 import torchcast
 from torchcast import _ops
-from torchcast.stats import COUNT_FIELDS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS, CastStats
+from torchcast.stats import (COUNT_FIELDS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS, CastStats,
+                             dtype_from_name)
+from torchcast.tracker.nonfinite_origin import NonFiniteOrigin
 
 from track_ref import assert_stats_match, stats_of_cast
 
@@ -73,3 +75,23 @@ def test_stats_tensor_layout_is_the_table():
     assert [s.numel, s.nan, s.inexact, s.overflow, s.underflow, s.subnormal] == \
         [15, 1, 9, 2, 3, 4]
     assert_stats_match(s, stats_of_cast(x, y))
+
+
+def test_reports_name_dtypes_one_way():
+    """Every saved report (casts, non-finite origins, module health) reads
+    dtype names with dtype_from_name: both spellings, and a ValueError that
+    names anything else."""
+    assert dtype_from_name("torch.bfloat16") is torch.bfloat16
+    assert dtype_from_name("float8_e4m3fn") is torch.float8_e4m3fn
+    for bad in ("torch.float17", "nn", "torch.Tensor"):
+        with pytest.raises(ValueError, match=f"unknown dtype '{bad}'"):
+            dtype_from_name(bad)
+    health = torchcast.tensor_health(torch.ones(3)).to_dict()
+    with pytest.raises(ValueError, match="unknown dtype 'torch.float17'"):
+        torchcast.TensorHealth.from_dict({**health, "dtype": "torch.float17"})
+    origin = {"op": "aten::log", "module": None, "phase": "forward", "node": None, "file": "a.py",
+              "line": 1, "via": None, "dtype": "torch.float17", "nan": 1, "posinf": 0,
+              "neginf": 0, "inputs": [], "note": "", "count": 1}
+    with pytest.raises(ValueError, match="unknown dtype 'torch.float17'"):
+        NonFiniteOrigin.from_dict(origin)
+    assert NonFiniteOrigin.from_dict({**origin, "dtype": "torch.float16"}).dtype is torch.float16

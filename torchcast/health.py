@@ -9,6 +9,7 @@ import torch
 
 from . import _ops
 from ._reference.health import COLUMNS, binade_range
+from .stats import dtype_from_name
 
 
 class HealthValues(NamedTuple):
@@ -154,7 +155,7 @@ class TensorHealth:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TensorHealth":
         """Reads ``to_dict()``'s values back (on the CPU)."""
-        dtype = getattr(torch, d["dtype"].replace("torch.", ""))
+        dtype = dtype_from_name(d["dtype"])
         health = cls.empty(dtype)
         health.counts.copy_(torch.tensor([d["nan"], d["posinf"], d["neginf"], d["zero"],
                                           d["subnormal"]]))

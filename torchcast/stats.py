@@ -25,6 +25,15 @@ def short_dtype_name(dtype: Optional[torch.dtype]) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "?"
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype a report names ("torch.float16" or "float16"); ValueError
+    for a name that is not one."""
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torchcast: unknown dtype {name!r} in a report")
+    return dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class CastStats:
     """Statistics of one cast (or of several merged with ``+``), read from a

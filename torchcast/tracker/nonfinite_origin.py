@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._inputs import PLAIN_TENSOR_TYPES
+from ..stats import dtype_from_name, short_dtype_name
 from .diagnose import op_name
 from .sites import short_path
 
@@ -74,9 +75,9 @@ class NonFiniteOrigin:
                  if self.phase == "backward" else f"forward{module}")
         found = ", ".join(f"{n} {what}" for n, what in
                           ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
-        inputs = "; ".join(f"{_short(i.dtype)}{list(i.shape)} amax {i.amax:.4g}"
+        inputs = "; ".join(f"{short_dtype_name(i.dtype)}{list(i.shape)} amax {i.amax:.4g}"
                            for i in self.inputs) or "no floating tensor inputs"
-        return (f"{self.op} made {found} in its {_short(self.dtype)} output from finite "
+        return (f"{self.op} made {found} in its {short_dtype_name(self.dtype)} output from finite "
                 f"inputs, {phase}, at {where}. Inputs: {inputs}. {self.note}")
 
     def to_dict(self) -> Dict[str, Any]:
@@ -89,8 +90,8 @@ class NonFiniteOrigin:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "NonFiniteOrigin":
         d = dict(d)
-        d["dtype"] = _dtype_from_str(d["dtype"])
-        d["inputs"] = [InputInfo(_dtype_from_str(i["dtype"]), tuple(i["shape"]), i["amax"])
+        d["dtype"] = dtype_from_name(d["dtype"])
+        d["inputs"] = [InputInfo(dtype_from_name(i["dtype"]), tuple(i["shape"]), i["amax"])
                        for i in d["inputs"]]
         return cls(**d)
 
@@ -110,12 +111,6 @@ class NonFiniteError(RuntimeError):
         return getattr(self.origin, name)
 
 
-def _short(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def _dtype_from_str(name):
-    return getattr(torch, name.replace("torch.", ""))
 
 
 def floating_data(t: torch.Tensor) -> bool:
@@ -135,11 +130,12 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
     wider = _WIDER.get(dtype)
     if wider is None:
         return ""
+    narrow, wide = short_dtype_name(dtype), short_dtype_name(wider)
     name = op_name(func)
     if name in ("_to_copy", "copy_", "copy"):
         src = args[1] if name != "_to_copy" else args[0]
-        return (f"A cast to {_short(dtype)} of values up to {amax_of(src):.4g}; "
-                f"{_short(dtype)}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
+        return (f"A cast to {narrow} of values up to {amax_of(src):.4g}; "
+                f"{narrow}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
 
     def widen(a):
         if isinstance(a, torch.Tensor) and a.dtype == dtype:
@@ -157,9 +153,9 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
         amax = max(amax_of(t) for t in again)
         limit = torch.finfo(dtype).max
         if amax > limit:
-            return (f"In {_short(wider)} the result is finite with amax {amax:.4g}, above "
-                    f"{_short(dtype)}'s largest {limit:.6g}: {_short(dtype)}'s range overflowed.")
-        return (f"In {_short(wider)} the result is finite (amax {amax:.4g}): an intermediate "
-                f"inside the op overflowed {_short(dtype)}.")
-    return (f"The result is non-finite in {_short(wider)} too: not a matter of "
-            f"{_short(dtype)}'s range (a log or sqrt of a negative number, 0/0, inf - inf).")
+            return (f"In {wide} the result is finite with amax {amax:.4g}, above "
+                    f"{narrow}'s largest {limit:.6g}: {narrow}'s range overflowed.")
+        return (f"In {wide} the result is finite (amax {amax:.4g}): an intermediate "
+                f"inside the op overflowed {narrow}.")
+    return (f"The result is non-finite in {wide} too: not a matter of "
+            f"{narrow}'s range (a log or sqrt of a negative number, 0/0, inf - inf).")

@@ -9,7 +9,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..stats import STAT_FIELDS, CastStats, merge_stats_tensors, short_dtype_name
+from ..stats import (STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors,
+                     short_dtype_name)
 from ..violations import Violations, ViolationsSpec
 from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHealth,
                      headroom_table, health_lines)
@@ -135,13 +136,6 @@ def undone_upcast_message(up: Record) -> str:
     return (f"this upcast {src}->{dst} has no effect under autocast, which casts the op's "
             f"inputs back to {src} at the same line; wrap the region in "
             "torch.autocast(..., enabled=False) to compute it in " + dst)
-
-
-def _dtype_from_str(name):
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"torchcast: unknown dtype {name!r} in a report")
-    return dtype
 
 
 class _Site:
@@ -477,7 +471,7 @@ class Report:
         """
         for r in records:
             key = (r["module"], r["file"], r["line"], r["origin"], r["name"],
-                   _dtype_from_str(r["src_dtype"]), _dtype_from_str(r["dtype"]), r.get("via"))
+                   dtype_from_name(r["src_dtype"]), dtype_from_name(r["dtype"]), r.get("via"))
             stats = torch.tensor([float(r["stats"][f]) for f in STAT_FIELDS], dtype=torch.float64)
             merge_into(self, key, stats, measured=r["measured"], calls=r["calls"],
                        graph_cuts=r["graph_cuts"], imag=r["imag_dropped"],
