@@ -59,19 +59,19 @@ def _double_rounded_stats(x, dtype, t):
 
 
 def _measure(x, dtype, t):
-    """(stats tensor, double-rounded count or None, y, whether y is
-    PyTorch's own result) for real floating x cast to the narrower-or-equal-
-    rank real ``dtype``; t is PyTorch's result when already computed. y is
-    PyTorch's for the pairs it rounds twice, else the fused op's."""
+    """(stats tensor, double-rounded count or None, y) for real floating x
+    cast to the narrower-or-equal-rank real ``dtype``; t is PyTorch's result
+    when already computed. y is PyTorch's for the pairs it rounds twice, else
+    the fused op's."""
     if (x.dtype, dtype) in _DOUBLE_ROUNDED:
         if t is None or t.device != x.device:
             t = _TO_COPY(x, dtype=dtype)
         if x.numel() == 0:
-            return _ops.cast_with_stats(x, dtype)[1], None, t, True
+            return _ops.cast_with_stats(x, dtype)[1], None, t
         stats, differ = _double_rounded_stats(x, dtype, t)
-        return stats, differ, t, True
+        return stats, differ, t
     y, stats = _ops.cast_with_stats(x, dtype)
-    return stats, None, y, False
+    return stats, None, y
 
 
 @dataclasses.dataclass
@@ -93,7 +93,6 @@ class MeasuredCast:
     double_rounded: Optional[torch.Tensor] = None
     x: Optional[torch.Tensor] = None
     y: Optional[torch.Tensor] = None
-    y_is_torch: bool = False  # y is PyTorch's own result, not the fused op's
 
     def torch_result(self) -> Optional[torch.Tensor]:
         """y where it holds the bits PyTorch's ``x.to(dtype)`` gives, so that
@@ -105,8 +104,8 @@ class MeasuredCast:
         read would synchronize)."""
         if self.y is None or self.stats is None or self.y.dtype != self.dtype:
             return None  # (a complex cast measures its real part)
-        if self.y_is_torch:
-            return self.y
+        if (self.src_dtype, self.dtype) in _DOUBLE_ROUNDED:
+            return self.y  # PyTorch's own result (_measure)
         if self.x is None or not self.x.is_cpu or self.stats.tolist()[_NAN] != 0:
             return None
         return self.y
@@ -136,9 +135,8 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         return MeasuredCast(s_dt, dtype, src.numel(), _ops.exact_cast_stats(src))
     if d_rank == s_rank == 1:  # float8 <-> float8
         return MeasuredCast(s_dt, dtype, src.numel(), measured=False)
-    stats, differ, y, y_is_torch = _measure(src, dtype, t)
-    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y,
-                        y_is_torch=y_is_torch)
+    stats, differ, y = _measure(src, dtype, t)
+    return MeasuredCast(s_dt, dtype, src.numel(), stats, double_rounded=differ, x=src, y=y)
 
 
 def _measure_other(src, dtype, t, grad_enabled):
