@@ -13,20 +13,13 @@ import torchcast
 from torchcast.stats import CastStats
 
 from numpy_ref import FORMATS, LARGEST, round_to_format, stats_of_values, stats_reference, to_numpy64
+from values import every_value
 
 OP = torch.ops.torchcast.cast_with_stats
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 NP = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn, torch.float8_e5m2: ml_dtypes.float8_e5m2,
       torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}
 BITS = {1: torch.uint8, 2: torch.int16}
-
-
-def every_16bit_value(dtype):
-    return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
-
-
-def every_float8_value(dtype):
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
 
 
 def to_numpy(t):
@@ -79,7 +72,7 @@ PAIRS_16 = [(src, dst) for src in (torch.float16, torch.bfloat16)
 def test_every_16bit_input_rounds_once(src, dst, saturate):
     """All 2^16 float16/bfloat16 inputs against ml_dtypes, and the stats of
     the whole set against numpy."""
-    x = every_16bit_value(src)
+    x = every_value(src)
     y, stats = OP(x, dst, saturate=saturate)
     sat = dst == torch.float8_e4m3fn if saturate is None else saturate
     assert_same_values(y, ml_cast(x, dst, sat))
@@ -94,7 +87,7 @@ def test_default_is_bitwise_what_torch_does(src, dst):
     """saturate=None gives x.to(dtype)'s bits, NaN signs included, for every
     16-bit input (float16 <-> bfloat16 NaNs excepted: torch's bfloat16 NaN
     is 0x7fc0 here, as numerics.h writes it, so they agree too)."""
-    x = every_16bit_value(src)
+    x = every_value(src)
     y, _ = OP(x, dst)
     bits = BITS[y.itemsize]
     assert torch.equal(y.view(bits), x.to(dst).view(bits))
@@ -107,7 +100,7 @@ def test_float8_values_midpoints_and_neighbours(src, dst, saturate):
     """Every float8 value, every midpoint between neighbours (the ties), and
     the adjacent src values on both sides of each, against ml_dtypes; the
     stats against numpy."""
-    v = every_float8_value(dst).double().numpy()
+    v = every_value(dst).double().numpy()
     v = np.unique(v[np.isfinite(v) & (v >= 0)])
     top = LARGEST[dst] + (LARGEST[dst] - v[-2]) / 2  # the tie above the largest value
     mids = np.concatenate([(v[1:] + v[:-1]) / 2, [top, 2 * top]])
@@ -138,7 +131,7 @@ def test_wide_random_values(src, dst):
 def test_numpy_reference_agrees_with_ml_dtypes():
     """The numpy rounding the stats are checked against is itself right."""
     for dst in FLOAT8 + (torch.float16, torch.bfloat16):
-        x = every_16bit_value(torch.float16 if dst != torch.float16 else torch.bfloat16)
+        x = every_value(torch.float16 if dst != torch.float16 else torch.bfloat16)
         xs = to_numpy(x).astype(np.float64)
         ours = round_to_format(xs, dst)
         with np.errstate(over="ignore", invalid="ignore"):
@@ -308,7 +301,7 @@ def test_scaled_float64_rounds_the_exact_product_once(dst, scale):
     sf = Fraction(s.item())
     mant, emin, _ = FORMATS[dst]
     g = np.random.default_rng(7)
-    grid = every_float8_value(torch.float8_e5m2).double().numpy()  # a spread of magnitudes
+    grid = every_value(torch.float8_e5m2).double().numpy()  # a spread of magnitudes
     grid = grid[np.isfinite(grid) & (grid > 0)]
     mids = []
     for v in g.choice(grid, 64) * 2.0 ** g.integers(-4, 5, 64):
@@ -334,7 +327,7 @@ def test_scaled_narrow_sources_match_ml_dtypes_on_the_exact_product(src, dst):
     if src == torch.float32:
         x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)) * 50
     else:
-        x = every_16bit_value(src)
+        x = every_value(src)
     for scale in (0.37, 2.0 ** -5, 11.0, 448 / 496):
         s = torch.tensor(scale, dtype=torch.float32)
         exact = (to_numpy(x).astype(np.float64) * np.float64(s.item()))
@@ -350,7 +343,7 @@ def test_scaled_products_next_to_halfway_points(dst):
     the exact product is not, and rounding that float32 to nearest even goes
     the wrong way for about half of those. Against ml_dtypes on the exact
     product, over 40 scales."""
-    values = np.unique(np.abs(to_numpy(every_float8_value(dst)).astype(np.float64)))
+    values = np.unique(np.abs(to_numpy(every_value(dst)).astype(np.float64)))
     values = values[np.isfinite(values)]
     mids = (values[1:] + values[:-1]) / 2
     mids = np.concatenate([mids, -mids])

@@ -17,6 +17,7 @@ from devices import on_device
 from numpy_ref import tensor_health_reference
 from torchcast import _ops
 from torchcast._reference import health as health_reference
+from values import every_value
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
           torch.float8_e5m2]
@@ -34,13 +35,6 @@ def numpy_values(x):
             return x.view(bits).numpy().view(ml).astype(np.float64)
     with np.errstate(invalid="ignore"):
         return x.numpy().astype(np.float64)
-
-
-def all_values(dtype):
-    """Every bit pattern of a 16- or 8-bit dtype."""
-    if dtype.itemsize == 2:
-        return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
 
 
 def edge_values(dtype):
@@ -84,7 +78,7 @@ def check(x, device):
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d.itemsize <= 2])
 def test_every_value_of_16_and_8_bit_dtypes(device, dtype):
-    check(all_values(dtype), device)
+    check(every_value(dtype), device)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,7 +128,7 @@ def test_thread_count_does_not_change_the_result():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_is_the_kernel(dtype):
-    x = torch.cat([all_values(dtype) if dtype.itemsize <= 2 else wide_random(dtype, 50_000, 4),
+    x = torch.cat([every_value(dtype) if dtype.itemsize <= 2 else wide_random(dtype, 50_000, 4),
                    edge_values(dtype)])
     for a, b in zip(health_reference.tensor_health(x), _ops.tensor_health(x)):
         assert torch.equal(a, b)
@@ -199,7 +193,7 @@ def test_compiles_fullgraph():
 
 
 def test_tensor_health_object_reads_merges_and_round_trips():
-    x, y = edge_values(torch.float16), all_values(torch.float16)
+    x, y = edge_values(torch.float16), every_value(torch.float16)
     hx, hy = torchcast.tensor_health(x), torchcast.tensor_health(y)
     both = hx.merge(hy)
     whole = torchcast.tensor_health(torch.cat([x, y]))
@@ -226,7 +220,7 @@ def test_tensor_health_object_reads_merges_and_round_trips():
 def test_cpu_brings_the_health_to_the_host_once(device):
     """TensorHealth.cpu(): the same counts on the host (itself when already
     there), and headroom read from it as from the device's."""
-    x = on_device(all_values(torch.bfloat16), device)
+    x = on_device(every_value(torch.bfloat16), device)
     h = torchcast.tensor_health(x)
     host = h.cpu()
     assert (host is h) == (device == "cpu")

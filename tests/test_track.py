@@ -25,6 +25,7 @@ from torchcast.stats import STAT_FIELDS, SUM_FIELDS, CastStats, merge_stats_tens
 from torchcast.tracker.sites import user_site
 
 from track_ref import assert_stats_match, double_rounding_values, merge_refs, stats_of_cast
+from values import every_value
 
 HERE = os.path.abspath(__file__)
 
@@ -151,7 +152,7 @@ def _to_copy_calls(fn):
 
 def _every_value(dtype):
     if dtype in (torch.float16, torch.bfloat16):
-        return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+        return every_value(dtype)
     return with_edges(wide(20000, torch.float64, seed=5, lo=-110, hi=100)).to(dtype)
 
 
