@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "../cast_common.h"
 #include "../numerics.h"
+#include "simd.h"
 
 namespace torchcast {
 namespace cpu {
@@ -56,37 +58,78 @@ struct LaneState {
   }
 
   // The chunk's stats: exact counts and maxima, and the lanes' sums folded
-  // in the canonical order of numerics.h.
-  Stats finish() const;
+  // in the canonical order of numerics.h. Cloned for wide vectors: its loops
+  // over the lanes are much of a small tensor's call.
+  TC_CPU_CLONES Stats finish() const;
+};
+
+// One component of PlainSums: the tree of numerics.h adds each component
+// on its own, so reducing the three as separate arrays is the same
+// arithmetic, in loops that vectorize.
+struct SumOf {
+  double s;  // set by finish_lanes, for every thread (no zeroing first)
+  void merge(const SumOf& o) { s += o.s; }
 };
 
 // The canonical order of numerics.h for one chunk's sums: each thread folds
 // its vec lanes (lane 0 first) into an empty sum, then block_tree_reduce.
-// Lanes past `used` are zero and left out. Scalar code: it runs once per
-// chunk, and for a small tensor over its few live lanes only.
+// Lanes past `used` are zero and left out. It runs once per chunk: for a
+// small tensor it is much of the call.
 template <int kLanes>
-PlainSums finish_lanes(const double (&sums)[kNumSumArrays][kLanes], int used) {
+inline __attribute__((always_inline)) PlainSums finish_lanes(
+    const double (&sums)[kNumSumArrays][kLanes], int used) {
   constexpr int kVec = kLanes / kBlockThreads;
-  PlainSums threads[kBlockThreads];
-  for (int t = 0; t * kVec < used; ++t) {
-    for (int v = 0; v < kVec; ++v) {
-      const int l = t * kVec + v;
-      threads[t].merge(PlainSums{sums[kAbs][l], sums[kSqErr][l], sums[kSq][l]});
+  const int live = (used + kVec - 1) / kVec;
+  double out[kNumSumArrays];
+  for (int a = 0; a < kNumSumArrays; ++a) {
+    SumOf threads[kBlockThreads];
+    for (int t = 0; t < live; ++t) {
+      double s = 0.0;
+      for (int v = 0; v < kVec; ++v) s += sums[a][t * kVec + v];
+      threads[t].s = s;
     }
+    for (int t = live; t < kBlockThreads; ++t) threads[t].s = 0.0;
+    block_tree_reduce(threads);
+    out[a] = threads[0].s;
   }
-  block_tree_reduce(threads);
-  return threads[0];
+  return PlainSums{out[kAbs], out[kSqErr], out[kSq]};
+}
+
+// The largest of a[0, used) (used a multiple of kLaneGroup), NaN skipped,
+// 0 at least: a vector of running maxima, lane by lane (a single running
+// maximum is a chain of dependent compares, much of a small tensor's call).
+template <typename T>
+struct LaneGroupOf;  // kLaneGroup lanes of T as one GCC vector
+template <>
+struct LaneGroupOf<float> {
+  typedef float type __attribute__((vector_size(kLaneGroup * sizeof(float))));
+};
+template <>
+struct LaneGroupOf<double> {
+  typedef double type __attribute__((vector_size(kLaneGroup * sizeof(double))));
+};
+
+template <typename T>
+inline __attribute__((always_inline)) T max_over_lanes(const T* a, int used) {
+  using Group = typename LaneGroupOf<T>::type;
+  Group group = {};
+  for (int l = 0; l < used; l += kLaneGroup) {
+    Group v;
+    std::memcpy(&v, a + l, sizeof(v));
+    group = v > group ? v : group;
+  }
+  T out = 0;
+  for (int j = 0; j < kLaneGroup; ++j) out = group[j] > out ? group[j] : out;
+  return out;
 }
 
 template <typename Src>
-typename LaneState<Src>::Stats LaneState<Src>::finish() const {
+TC_CPU_CLONES typename LaneState<Src>::Stats LaneState<Src>::finish() const {
   Stats out;
   out.counts = counts;
-  for (int l = 0; l < used; ++l) {
-    out.max_abs_err = max_abs[l] > out.max_abs_err ? max_abs[l] : out.max_abs_err;
-    out.max_rel_err = max_rel[l] > out.max_rel_err ? max_rel[l] : out.max_rel_err;
-    out.amax = amax[l] > out.amax ? amax[l] : out.amax;
-  }
+  out.max_abs_err = max_over_lanes(max_abs, used);
+  out.max_rel_err = max_over_lanes(max_rel, used);
+  out.amax = max_over_lanes(amax, used);
   out.sums = finish_lanes<kLanes>(sums, used);
   return out;
 }
