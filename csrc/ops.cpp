@@ -3,7 +3,9 @@
 // csrc/cuda/*.cu), autograd in autograd.cpp.
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -57,6 +59,114 @@ PyObject* exact_cast_stats(PyObject*, PyObject* tensor) {
   }
   HANDLE_TH_ERRORS  // c10 errors become the Python exceptions torch raises for them
   return THPVariable_Wrap(torchcast::exact_cast_stats(THPVariable_Unpack(tensor)));
+  END_HANDLE_TH_ERRORS
+}
+
+// Whether torch.ops would leave obj's __torch_function__ alone: no torch
+// function mode is on, and obj is a torch.Tensor or of a class that disables
+// __torch_function__, as nn.Parameter does. Sets no Python error.
+bool without_torch_function(PyObject* obj) {
+  if (at::impl::torch_function_mode_enabled()) return false;
+  if (THPVariable_CheckExact(obj)) return true;
+  static PyObject* const disabled = [] {
+    PyObject* c = PyImport_ImportModule("torch._C");
+    PyObject* impl = c != nullptr ? PyObject_GetAttrString(c, "_disabled_torch_function_impl") : nullptr;
+    Py_XDECREF(c);
+    PyErr_Clear();
+    return impl;  // kept for the life of the process
+  }();
+  PyObject* impl = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(obj)), "__torch_function__");
+  if (impl == nullptr) PyErr_Clear();
+  Py_XDECREF(impl);  // still alive: the class holds it
+  return impl != nullptr && impl == disabled;
+}
+
+// plain_tensor(x): whether x needs none of torchcast._inputs.check_input's
+// questions: a torch.Tensor or nn.Parameter (exactly), dense and strided,
+// neither quantized nor nested, and outside every torch.func transform (no
+// functorch or functionalization wrapper). False sends the caller to those
+// questions; one call instead of five attribute reads, a tenth of a small
+// safe_to.
+PyObject* plain_tensor(PyObject*, PyObject* obj) {
+  static PyTypeObject* const parameter = [] {
+    PyObject* module = PyImport_ImportModule("torch.nn.parameter");
+    PyObject* cls = module != nullptr ? PyObject_GetAttrString(module, "Parameter") : nullptr;
+    Py_XDECREF(module);
+    PyErr_Clear();
+    return reinterpret_cast<PyTypeObject*>(cls);  // kept for the life of the process
+  }();
+  if (!THPVariable_CheckExact(obj) && !(parameter != nullptr && Py_TYPE(obj) == parameter)) {
+    Py_RETURN_FALSE;
+  }
+  const at::Tensor& x = THPVariable_Unpack(obj);
+  static const c10::DispatchKeySet wrapped({c10::DispatchKey::FuncTorchBatched,
+                                            c10::DispatchKey::FuncTorchGradWrapper,
+                                            c10::DispatchKey::Functionalize,
+                                            c10::DispatchKey::BatchedNestedTensor});
+  return PyBool_FromLong(x.layout() == at::kStrided && !x.is_quantized() && !x.is_nested() &&
+                         !x.key_set().has_any(wrapped));
+}
+
+// cast_with_stats(x, dtype, scale=None, saturate=None) -> (y, stats) or None:
+// torch.ops.torchcast.cast_with_stats through the dispatcher (autograd,
+// dispatch modes, every backend as there), without torch.ops' conversion of
+// the arguments to a boxed stack and back, which costs about 2 us a call, more
+// than a small cast itself. None, and nothing done, where __torch_function__
+// applies (a mode is on, or an argument's class overrides it): the caller then
+// calls torch.ops, which honours it.
+PyObject* cast_with_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 2 || nargs > 4 || !THPVariable_Check(args[0]) || !THPDtype_Check(args[1]) ||
+      (nargs > 2 && args[2] != Py_None && !THPVariable_Check(args[2])) ||
+      (nargs > 3 && args[3] != Py_None && !PyBool_Check(args[3]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "cast_with_stats: expected (Tensor x, torch.dtype dtype, Tensor? scale, "
+                    "bool? saturate)");
+    return nullptr;
+  }
+  const bool scaled = nargs > 2 && args[2] != Py_None;
+  if (!without_torch_function(args[0]) || (scaled && !without_torch_function(args[2]))) {
+    Py_RETURN_NONE;
+  }
+  HANDLE_TH_ERRORS
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchcast::cast_with_stats", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType,
+                                                    const std::optional<at::Tensor>&,
+                                                    std::optional<bool>)>();
+  static const bool cuda_kernels = op.hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  const at::Tensor& x = THPVariable_Unpack(args[0]);
+  // Devices with compiled kernels only: elsewhere the caller runs the
+  // pure-PyTorch fallback, saying so.
+  if (!(x.is_cpu() || (x.is_cuda() && cuda_kernels))) Py_RETURN_NONE;
+  const auto dtype = reinterpret_cast<THPDtype*>(args[1])->scalar_type;
+  const std::optional<at::Tensor> scale =
+      scaled ? std::optional<at::Tensor>(THPVariable_Unpack(args[2])) : std::nullopt;
+  std::optional<bool> saturate;
+  if (nargs > 3 && args[3] != Py_None) saturate = args[3] == Py_True;
+  std::tuple<at::Tensor, at::Tensor> result;
+  {
+    // As torch.ops: other Python threads run while the kernel does (a
+    // Python kernel or dispatch mode takes the GIL back itself).
+    pybind11::gil_scoped_release no_gil;
+    result = op.call(x, dtype, scale, saturate);
+  }
+  PyObject* y = THPVariable_Wrap(std::move(std::get<0>(result)));
+  if (y == nullptr) return nullptr;
+  PyObject* stats = THPVariable_Wrap(std::move(std::get<1>(result)));
+  if (stats == nullptr) {
+    Py_DECREF(y);
+    return nullptr;
+  }
+  PyObject* pair = PyTuple_New(2);
+  if (pair == nullptr) {
+    Py_DECREF(y);
+    Py_DECREF(stats);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(pair, 0, y);
+  PyTuple_SET_ITEM(pair, 1, stats);
+  return pair;
   END_HANDLE_TH_ERRORS
 }
 
@@ -120,6 +230,13 @@ PyMethodDef methods[] = {
     {"exact_cast_stats", exact_cast_stats, METH_O,
      "The stats tensor cast_with_stats gives an exact cast of a floating tensor (numel and "
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
+    {"cast_with_stats", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(cast_with_stats)),
+     METH_FASTCALL,
+     "torch.ops.torchcast.cast_with_stats(x, dtype, scale, saturate=saturate) without torch.ops' "
+     "argument conversion; None where __torch_function__ applies."},
+    {"plain_tensor", plain_tensor, METH_O,
+     "Whether x is a dense strided torch.Tensor or nn.Parameter outside every torch.func "
+     "transform."},
     {"all_finite", all_finite, METH_O,
      "Whether every element of a CPU tensor is finite (csrc/cpu/all_finite.cpp)."},
     {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,

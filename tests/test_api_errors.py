@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchcast
+from torchcast import _ops
 from torchcast import cast as cast_module
 from torchcast.stats import STAT_FIELDS, CastStats
 
@@ -352,6 +353,38 @@ def test_traceable_wrapper_subclass_runs_through_its_own_dispatch():
     assert torchcast.CastStats.from_tensor(stats) == (
         torchcast.CastStats.from_tensor(torchcast.cast_with_stats(a, torch.bfloat16)[1])
         + torchcast.CastStats.from_tensor(torchcast.cast_with_stats(b, torch.bfloat16)[1]))
+
+
+@pytest.mark.skipif(_ops.plain_tensor is None, reason="the C++ check exists with the extension only")
+def test_plain_tensor_says_yes_only_where_check_input_has_nothing_to_ask():
+    """_ops.plain_tensor is check_input's shortcut: True must mean that the
+    full check passes silently, for every kind it tells apart."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
+    x = torch.randn(4, 6, dtype=torch.float64)
+    plain = _ops.plain_tensor
+    assert plain(x) and plain(x.t()) and plain(x[::2, 1]) and plain(torch.tensor(1.0))
+    assert plain(torch.nn.Parameter(x.clone())) and plain(torch.empty(0))
+    for kind, (t, _) in KINDS.items():
+        assert not plain(t), kind
+    assert not plain(_DispatchSubclass(x)) and not plain(TwoTensor(x, x))
+    assert not plain(x.as_subclass(torch.nn.Buffer)) and not plain(1.0)
+    with FakeTensorMode() as mode:
+        assert not plain(mode.from_tensor(x))
+    seen = {}
+
+    def inside(name):
+        def f(t):
+            seen[name] = plain(t)
+            with pytest.raises(TypeError, match=r"inside torch.vmap or another torch.func"):
+                torchcast.safe_to(t, torch.float16, policy="record")
+            return t.sum()
+        return f
+
+    torch.vmap(inside("vmap"))(x)
+    torch.func.grad(inside("grad"))(x)
+    torch.func.functionalize(inside("functionalize"))(x)
+    assert seen == {"vmap": False, "grad": False, "functionalize": False}
 
 
 def test_parameter_and_fake_tensors_still_work():

@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchcast
 from torchcast import _ops
@@ -681,6 +683,7 @@ def test_autocast_passes_through(device, autocast_dtype, src, dst):
 
 def test_fallback_is_used_where_no_kernel_exists(monkeypatch):
     monkeypatch.setattr(_ops, "has_kernel", lambda op, device: False)
+    monkeypatch.setattr(_ops, "_cast_entry", lambda *args: None)  # declines, as for such a device
     monkeypatch.setattr(_ops, "_warned_fallback", set())
     x = wide_random(5000, torch.float64, 9).requires_grad_()
     with pytest.warns(RuntimeWarning, match="pure-PyTorch implementation"):
@@ -692,6 +695,81 @@ def test_fallback_is_used_where_no_kernel_exists(monkeypatch):
     assert torch.equal(stats, kstats) and torch.equal(y.detach(), ky) and torch.equal(y2.detach(), ky)
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+class _FunctionsSeen(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _OpsSeen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _LoggedTensor(torch.Tensor):
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+CAST_OP = torch.ops.torchcast.cast_with_stats.default
+
+
+def test_cast_reaches_torch_function_modes_subclasses_and_dispatch_modes():
+    """torchcast.cast_with_stats calls the op through a C++ entry that skips
+    torch.ops' argument boxing; it must keep what torch.ops gives: a torch
+    function mode and a subclass overriding __torch_function__ see the op,
+    as does a dispatch mode, and nn.Parameter (which disables
+    __torch_function__) is cast with its gradient."""
+    x = wide_random(300, torch.float64, 5)
+    ref_y, ref_stats = CAST_OP(x, torch.float16)
+    with _FunctionsSeen() as mode:
+        y, stats = torchcast.cast_with_stats(x, torch.float16)
+    assert CAST_OP in mode.seen
+    assert torch.equal(y, ref_y) and torch.equal(stats, ref_stats)
+
+    _LoggedTensor.seen.clear()
+    y, stats = torchcast.cast_with_stats(x.as_subclass(_LoggedTensor), torch.float16)
+    assert CAST_OP in _LoggedTensor.seen
+    assert torch.equal(y.as_subclass(torch.Tensor), ref_y)
+    assert torch.equal(stats.as_subclass(torch.Tensor), ref_stats)
+
+    with _OpsSeen() as mode:
+        y, stats = torchcast.cast_with_stats(x, torch.float16)
+    assert CAST_OP in mode.seen
+    assert torch.equal(y, ref_y) and torch.equal(stats, ref_stats)
+
+    p = torch.nn.Parameter(x.clone())
+    y, stats = torchcast.cast_with_stats(p, torch.float16)
+    assert torch.equal(y.detach(), ref_y) and torch.equal(stats, ref_stats)
+    (y.double() * 3).sum().backward()
+    assert torch.equal(p.grad, torch.full_like(x, 3.0))
+
+
+@pytest.mark.parametrize("saturate", [None, True, False])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_cast_passes_scale_and_saturate_as_torch_ops_does(saturate, scaled):
+    x = wide_random(2000, torch.float32, 6)
+    x[:4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e30])
+    scale = torch.tensor(0.25) if scaled else None
+    y, stats = torchcast.cast_with_stats(x, torch.float8_e4m3fn, scale=scale, saturate=saturate)
+    ref_y, ref_stats = CAST_OP(x, torch.float8_e4m3fn, scale, saturate=saturate)
+    assert torch.equal(y.view(torch.uint8), ref_y.view(torch.uint8))
+    assert torch.equal(stats, ref_stats)
 
 
 def test_torch_compile_fullgraph_no_graph_break(device):

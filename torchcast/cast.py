@@ -48,7 +48,17 @@ class PrecisionLossError(RuntimeError):
 # the latest stats are per thread.
 _default_policy = "warn"
 _default_lock = threading.Lock()
-_local = threading.local()
+
+
+class _ThreadState(threading.local):
+    """What each thread holds; the class attributes are the defaults (a
+    getattr with a default that misses costs 0.4 µs, a tenth of a call)."""
+    policies: Tuple[str, ...] = ()  # a list once a policy() block entered
+    last: Optional[PendingStats] = None
+    recorders: Tuple[Callable[[PendingStats, Optional[str]], None], ...] = ()
+
+
+_local = _ThreadState()
 
 
 def check_policy(name: str) -> str:
@@ -86,7 +96,7 @@ def get_policy() -> str:
     Returns:
         str: "ignore", "record", "warn" or "raise".
     """
-    stack = getattr(_local, "policies", None)
+    stack = _local.policies
     return stack[-1] if stack else _default_policy
 
 
@@ -126,7 +136,7 @@ def last_scale() -> Optional[torch.Tensor]:
         thread's first ``safe_to``. Calls traced by torch.compile do not
         count.
     """
-    pending = getattr(_local, "last", None)
+    pending = _local.last
     return pending.scale if pending is not None else None
 
 
@@ -140,7 +150,7 @@ def last_stats() -> Optional[CastStats]:
         CastStats or None: None before the thread's first ``safe_to``. Calls
         traced by torch.compile leave no stats and do not count.
     """
-    pending = getattr(_local, "last", None)
+    pending = _local.last
     return pending.value if pending is not None else None
 
 
@@ -149,7 +159,7 @@ def last_stats() -> Optional[CastStats]:
 
 def recorders() -> Tuple[Callable[[PendingStats, Optional[str]], None], ...]:
     """The recorders active in this thread, outermost first."""
-    return getattr(_local, "recorders", ())
+    return _local.recorders
 
 
 def add_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
