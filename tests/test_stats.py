@@ -1,5 +1,6 @@
 """The table of statistics (CastStats' fields in stats.py) against the C++
 StatIndex, which lays out every stats tensor the kernels write."""
+import dataclasses
 import os
 import re
 
@@ -8,8 +9,9 @@ import torch
 
 import torchcast
 from torchcast import _ops
-from torchcast.stats import (COUNT_FIELDS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS, CastStats,
-                             dtype_from_name)
+from torchcast.stats import (COUNT_FIELDS, LOSS_COUNTS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS,
+                             CastStats, PendingStats, dtype_from_name)
+from torchcast.violations import STRICT, Violations
 from torchcast.tracker.nonfinite_origin import NonFiniteOrigin
 
 from track_ref import assert_stats_match, stats_of_cast
@@ -63,6 +65,45 @@ def test_table_groups_and_merge_rules():
     for name in STAT_FIELDS:
         pick = max if name in MAX_FIELDS else (lambda u, v: u + v)
         assert getattr(merged, name) == pick(getattr(a, name), getattr(b, name)), name
+
+
+def test_from_values_is_the_constructor():
+    """from_values sets the fields without the dataclass __init__ (for
+    speed): it must give the object the constructor gives, ints for counts."""
+    n = len(STAT_FIELDS)
+    values = [float(i) for i in range(3, n + 3)]
+    made = CastStats.from_values(values, torch.float32, torch.bfloat16)
+    built = CastStats(torch.float32, torch.bfloat16,
+                      *[int(v) if name in COUNT_FIELDS else v for v, name in zip(values, STAT_FIELDS)])
+    assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
+    assert all(type(getattr(made, name)) is int for name in COUNT_FIELDS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.nan = 0
+    for wrong in (values[:-1], values + [0.0]):
+        with pytest.raises(ValueError, match=f"expected {n} values"):
+            CastStats.from_values(wrong)
+
+
+@pytest.mark.parametrize("loss", [None, *LOSS_COUNTS])
+def test_has_loss_is_what_the_violation_kinds_can_find(loss):
+    """PendingStats.has_loss lets safe_to skip building the stats: False must
+    mean that no kind finds anything, even every kind at threshold 0."""
+    values = [0.0] * len(STAT_FIELDS)
+    for name, v in (("numel", 100), ("inexact", 90), ("max_abs_err", 0.5), ("max_rel_err", 1e-3),
+                    ("amax", 3.0), ("sum_abs_err", 4.0), ("sum_sq_err", 1.0), ("sum_sq", 9.0)):
+        values[STAT_FIELDS.index(name)] = v
+    if loss is not None:
+        values[STAT_FIELDS.index(loss)] = 1
+    every = Violations({kind: 0.0 for kind in LOSS_COUNTS})
+    for dtype in (torch.float16, torch.int8):
+        pending = PendingStats(torch.tensor(values, dtype=torch.float64), torch.float32, dtype)
+        found = every.found(CastStats.from_values(values, torch.float32, dtype))
+        assert pending.has_loss() == (loss is not None)
+        assert pending.has_loss() or not found
+        counted = dtype.is_floating_point or loss in ("nan", "overflow")  # integer targets' kinds
+        assert (loss is not None and counted) == bool(found)
+        assert pending.value == CastStats.from_values(values, torch.float32, dtype)
+    assert set(Violations(STRICT).thresholds) - set(LOSS_COUNTS) == {"graph_cut", "imag_dropped"}
 
 
 def test_stats_tensor_layout_is_the_table():

@@ -550,7 +550,7 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
         return y
     for record in recorders():
         record(pending, name)
-    if pol in ("warn", "raise"):
+    if pol in ("warn", "raise") and (pending.has_loss() or rtol is not None or atol is not None):
         s = pending.value
         if is_violation(s, rtol, atol):
             _act(pol, violation_message(x, y, s, rtol, atol, name), s)

@@ -100,14 +100,7 @@ class CastStats:
         Returns:
             The CastStats those values describe.
         """
-        stats = plain_stats(stats)
-        if stats.dim() != 1 or stats.shape[0] != len(STAT_FIELDS):
-            got = (f"got {stats.shape[0]}" if stats.dim() == 1
-                   else f"got shape {tuple(stats.shape)}")
-            raise ValueError(
-                f"CastStats.from_tensor: stats must be a 1-D tensor, as cast_with_stats returns "
-                f"it: expected {len(STAT_FIELDS)} values ({', '.join(STAT_FIELDS)}), {got}")
-        return cls.from_values(stats.tolist(), src_dtype, dtype)
+        return cls.from_values(_read_stats(stats), src_dtype, dtype)
 
     @classmethod
     def from_values(cls, values: Sequence[float], src_dtype: Optional[torch.dtype] = None,
@@ -122,10 +115,18 @@ class CastStats:
         Returns:
             The CastStats those values describe.
         """
-        # Positional, in STAT_FIELDS' order: a safe_to under policy "warn"
-        # reads stats on every call.
-        values = [int(v) if count else v for v, count in zip(values, _IS_COUNT)]
-        return cls(src_dtype, dtype, *values)
+        # A safe_to under policy "warn" reads stats on every call, and the
+        # frozen dataclass's __init__ (16 object.__setattr__ calls) took 2 µs
+        # of it: the fields are set as one dict (no __post_init__ to run).
+        # The counts come first in STAT_FIELDS.
+        if len(values) != len(STAT_FIELDS):
+            raise ValueError(f"CastStats.from_values: expected {len(STAT_FIELDS)} values "
+                             f"({', '.join(STAT_FIELDS)}), got {len(values)}")
+        fields = dict(zip(_INIT_FIELDS, (src_dtype, dtype, *map(int, values[:_NUM_COUNTS]),
+                                         *values[_NUM_COUNTS:])))
+        stats = object.__new__(cls)
+        object.__setattr__(stats, "__dict__", fields)
+        return stats
 
     def __add__(self, other: "CastStats") -> "CastStats":
         """The stats of both casts together: counts and sums add, maxima take
@@ -201,10 +202,32 @@ class CastStats:
 _STATS = [f for f in dataclasses.fields(CastStats) if "merge" in f.metadata]
 STAT_FIELDS = tuple(f.name for f in _STATS)  # the layout of a stats tensor
 COUNT_FIELDS = tuple(f.name for f in _STATS if f.type is int)
-_IS_COUNT = tuple(f.type is int for f in _STATS)
+_NUM_COUNTS = len(COUNT_FIELDS)
+assert STAT_FIELDS[:_NUM_COUNTS] == COUNT_FIELDS, "from_values reads the counts first"
+_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(CastStats))
 MAX_FIELDS = tuple(f.name for f in _STATS if f.metadata["merge"] == "max")
 SUM_FIELDS = tuple(f.name for f in _STATS if f.type is float and f.metadata["merge"] == "add")
 _ADDED = tuple(f.name for f in _STATS if f.metadata["merge"] == "add")
+
+
+def _read_stats(stats: torch.Tensor) -> list:
+    """The values of a stats tensor, in STAT_FIELDS' order (one host
+    synchronization if it is on a GPU); ValueError for any other shape."""
+    stats = plain_stats(stats)
+    if stats.dim() != 1 or stats.shape[0] != len(STAT_FIELDS):
+        got = (f"got {stats.shape[0]}" if stats.dim() == 1
+               else f"got shape {tuple(stats.shape)}")
+        raise ValueError(
+            f"CastStats.from_tensor: stats must be a 1-D tensor, as cast_with_stats returns "
+            f"it: expected {len(STAT_FIELDS)} values ({', '.join(STAT_FIELDS)}), {got}")
+    return stats.tolist()
+
+
+# The counts a violation is made of: torchcast.violations' kinds, besides
+# graph cuts and dropped imaginary parts, which are not stats (an integer
+# target's are nan and overflow), in the order messages list them.
+LOSS_COUNTS = ("overflow", "saturated", "nan", "underflow", "subnormal")
+_LOSS_COLUMNS = tuple(STAT_FIELDS.index(name) for name in LOSS_COUNTS)
 
 
 class PendingStats:
@@ -216,7 +239,7 @@ class PendingStats:
         scale: a scaled cast's scale tensor (None: unscaled).
     """
 
-    __slots__ = ("tensor", "src_dtype", "dtype", "scale", "_value")
+    __slots__ = ("tensor", "src_dtype", "dtype", "scale", "_values", "_value")
 
     def __init__(self, tensor: Optional[torch.Tensor], src_dtype: Optional[torch.dtype],
                  dtype: Optional[torch.dtype], scale: Optional[torch.Tensor] = None):
@@ -224,6 +247,7 @@ class PendingStats:
         self.src_dtype = src_dtype
         self.dtype = dtype
         self.scale = scale
+        self._values = None
         self._value = None
 
     @classmethod
@@ -237,8 +261,23 @@ class PendingStats:
     def value(self) -> CastStats:
         """The CastStats, read from the tensor on first use."""
         if self._value is None:
-            self._value = CastStats.from_tensor(self.tensor, self.src_dtype, self.dtype)
+            self._value = CastStats.from_values(self._read(), self.src_dtype, self.dtype)
         return self._value
+
+    def has_loss(self) -> bool:
+        """Whether any of LOSS_COUNTS is nonzero: when none is, no violation
+        kind can be found in these stats (only rtol/atol remain to check).
+        Reads the tensor as ``value`` does, without building the CastStats,
+        which a safe_to under policy "warn" would otherwise build on every
+        call."""
+        if self._value is not None:
+            return any(getattr(self._value, name) for name in LOSS_COUNTS)
+        return any(map(self._read().__getitem__, _LOSS_COLUMNS))
+
+    def _read(self) -> list:
+        if self._values is None:
+            self._values = _read_stats(self.tensor)
+        return self._values
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import math
 import re
 from typing import Dict, Iterable, List, Mapping, Optional, Union
 
-from .stats import CastStats
+from .stats import LOSS_COUNTS, CastStats
 
 KINDS = ("overflow", "saturated", "nan", "underflow", "subnormal", "graph_cut", "imag_dropped")
 # What breaks training: values lost to inf or clamped, arbitrary integers,
@@ -180,7 +180,7 @@ class Violations:
 
 
 # The kinds a floating cast's stats count.
-_FLOAT_KINDS = ("overflow", "saturated", "nan", "underflow", "subnormal")
+_FLOAT_KINDS = LOSS_COUNTS
 
 
 def _phrase(s: CastStats, kind: str) -> str:

@@ -101,7 +101,8 @@ class _Recording:
             message = (f"{head}: casting {cast.src_dtype} to {cast.dtype} dropped "
                        f"{int(cast.imag)} nonzero imaginary parts. Take .real or .abs() "
                        "explicitly, or keep a complex dtype.")
-        if message is None and pending is not None:
+        if message is None and pending is not None and (
+                pending.has_loss() or self.rtol is not None or self.atol is not None):
             s = pending.value
             if is_violation(s, self.rtol, self.atol, self.kinds):
                 message = violation_message(
