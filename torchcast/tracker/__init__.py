@@ -88,36 +88,41 @@ class _Recording:
         pol = self.policy or get_policy()
         if pol not in ("warn", "raise"):
             return
+        graph_cut = cast.graph_cut and "graph_cut" in self.kinds
+        imag_dropped = "imag_dropped" in self.kinds and cast.imag is not None and int(cast.imag)
+        s = None
+        if not (graph_cut or imag_dropped) and pending is not None and (
+                pending.has_loss() or self.rtol is not None or self.atol is not None):
+            s = pending.value
+            if not is_violation(s, self.rtol, self.atol, self.kinds):
+                s = None
+        if not (graph_cut or imag_dropped or s is not None):
+            return  # the common case: no message to write
+        if pol == "warn" and key in self.warned:
+            return  # said once per site
         module, file, line, origin = key[:4]
         via = key[7]
         where = f"{module} {short_path(file)}:{line}" if module else f"{short_path(file)}:{line}"
         if via:
             where += f" (via {via})"
         head = f"torchcast.track: {origin} at {where}"
-        message = None
-        if cast.graph_cut and "graph_cut" in self.kinds:
+        if graph_cut:
             message = graph_cut_message(head, cast.src_dtype, cast.dtype)
-        elif "imag_dropped" in self.kinds and cast.imag is not None and int(cast.imag):
+        elif imag_dropped:
             message = (f"{head}: casting {cast.src_dtype} to {cast.dtype} dropped "
                        f"{int(cast.imag)} nonzero imaginary parts. Take .real or .abs() "
                        "explicitly, or keep a complex dtype.")
-        if message is None and pending is not None and (
-                pending.has_loss() or self.rtol is not None or self.atol is not None):
-            s = pending.value
-            if is_violation(s, self.rtol, self.atol, self.kinds):
-                message = violation_message(
-                    cast.x, cast.y, s, self.rtol, self.atol, None, head=head,
-                    advice=(f"Keep {s.src_dtype} here, rescale the data, or use "
-                            "torchcast.safe_to with an explicit policy at this line."))
-        if message is None:
-            return
+        else:
+            message = violation_message(
+                cast.x, cast.y, s, self.rtol, self.atol, None, head=head,
+                advice=(f"Keep {s.src_dtype} here, rescale the data, or use "
+                        "torchcast.safe_to with an explicit policy at this line."))
         if pol == "raise":
             error = PrecisionLossError(message, pending.value if pending else None)
             error.site = where
             raise error
-        if key not in self.warned:
-            self.warned.add(key)
-            warnings.warn_explicit(message, PrecisionWarning, file, line or 1)
+        self.warned.add(key)
+        warnings.warn_explicit(message, PrecisionWarning, file, line or 1)
 
 
 class track:
