@@ -2,10 +2,10 @@
 // backend registers its kernels at the end of its own file (csrc/cpu/*.cpp,
 // csrc/cuda/*.cu), autograd in autograd.cpp.
 #include <Python.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -70,15 +70,21 @@ bool without_torch_function(PyObject* obj) {
   if (THPVariable_CheckExact(obj)) return true;
   static PyObject* const disabled = [] {
     PyObject* c = PyImport_ImportModule("torch._C");
-    PyObject* impl = c != nullptr ? PyObject_GetAttrString(c, "_disabled_torch_function_impl") : nullptr;
+    PyObject* impl =
+        c != nullptr ? PyObject_GetAttrString(c, "_disabled_torch_function_impl") : nullptr;
     Py_XDECREF(c);
     PyErr_Clear();
     return impl;  // kept for the life of the process
   }();
-  PyObject* impl = PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(obj)), "__torch_function__");
-  if (impl == nullptr) PyErr_Clear();
-  Py_XDECREF(impl);  // still alive: the class holds it
-  return impl != nullptr && impl == disabled;
+  PyObject* impl =
+      PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(obj)), "__torch_function__");
+  if (impl == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool is_disabled = disabled != nullptr && impl == disabled;
+  Py_DECREF(impl);
+  return is_disabled;
 }
 
 // plain_tensor(x): whether x needs none of torchcast._inputs.check_input's
@@ -111,17 +117,15 @@ PyObject* plain_tensor(PyObject*, PyObject* obj) {
 // torch.ops.torchcast.cast_with_stats through the dispatcher (autograd,
 // dispatch modes, every backend as there), without torch.ops' conversion of
 // the arguments to a boxed stack and back, which costs about 2 us a call, more
-// than a small cast itself. None, and nothing done, where __torch_function__
-// applies (a mode is on, or an argument's class overrides it): the caller then
-// calls torch.ops, which honours it.
+// than a small cast itself. None, and nothing done, where torch.ops is to
+// answer instead: arguments of other types (torch.ops' own errors), or
+// __torch_function__ applies (a mode is on, or an argument's class overrides
+// it), or x is on a device without compiled kernels.
 PyObject* cast_with_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs < 2 || nargs > 4 || !THPVariable_Check(args[0]) || !THPDtype_Check(args[1]) ||
       (nargs > 2 && args[2] != Py_None && !THPVariable_Check(args[2])) ||
       (nargs > 3 && args[3] != Py_None && !PyBool_Check(args[3]))) {
-    PyErr_SetString(PyExc_TypeError,
-                    "cast_with_stats: expected (Tensor x, torch.dtype dtype, Tensor? scale, "
-                    "bool? saturate)");
-    return nullptr;
+    Py_RETURN_NONE;
   }
   const bool scaled = nargs > 2 && args[2] != Py_None;
   if (!without_torch_function(args[0]) || (scaled && !without_torch_function(args[2]))) {
@@ -230,10 +234,10 @@ PyMethodDef methods[] = {
     {"exact_cast_stats", exact_cast_stats, METH_O,
      "The stats tensor cast_with_stats gives an exact cast of a floating tensor (numel and "
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
-    {"cast_with_stats", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(cast_with_stats)),
-     METH_FASTCALL,
+    {"cast_with_stats",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(cast_with_stats)), METH_FASTCALL,
      "torch.ops.torchcast.cast_with_stats(x, dtype, scale, saturate=saturate) without torch.ops' "
-     "argument conversion; None where __torch_function__ applies."},
+     "argument conversion; None where torch.ops is to answer instead."},
     {"plain_tensor", plain_tensor, METH_O,
      "Whether x is a dense strided torch.Tensor or nn.Parameter outside every torch.func "
      "transform."},

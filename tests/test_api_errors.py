@@ -355,7 +355,8 @@ def test_traceable_wrapper_subclass_runs_through_its_own_dispatch():
         + torchcast.CastStats.from_tensor(torchcast.cast_with_stats(b, torch.bfloat16)[1]))
 
 
-@pytest.mark.skipif(_ops.plain_tensor is None, reason="the C++ check exists with the extension only")
+@pytest.mark.skipif(_ops.plain_tensor is None,
+                    reason="the C++ check exists with the extension only")
 def test_plain_tensor_says_yes_only_where_check_input_has_nothing_to_ask():
     """_ops.plain_tensor is check_input's shortcut: True must mean that the
     full check passes silently, for every kind it tells apart."""

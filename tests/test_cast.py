@@ -760,6 +760,16 @@ def test_cast_reaches_torch_function_modes_subclasses_and_dispatch_modes():
     assert torch.equal(p.grad, torch.full_like(x, 3.0))
 
 
+def test_cast_leaves_argument_errors_to_torch_ops():
+    x = torch.randn(8)
+    for args in ((x, "float16"), (x, torch.float16, 2.0)):
+        with pytest.raises(RuntimeError) as ours:
+            torchcast.cast_with_stats(*args[:2], scale=args[2] if len(args) > 2 else None)
+        with pytest.raises(RuntimeError) as theirs:
+            CAST_OP(*args)
+        assert str(ours.value) == str(theirs.value)
+
+
 @pytest.mark.parametrize("saturate", [None, True, False])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_cast_passes_scale_and_saturate_as_torch_ops_does(saturate, scaled):

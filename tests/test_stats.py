@@ -11,8 +11,8 @@ import torchcast
 from torchcast import _ops
 from torchcast.stats import (COUNT_FIELDS, LOSS_COUNTS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS,
                              CastStats, PendingStats, dtype_from_name)
-from torchcast.violations import STRICT, Violations
 from torchcast.tracker.nonfinite_origin import NonFiniteOrigin
+from torchcast.violations import STRICT, Violations
 
 from track_ref import assert_stats_match, stats_of_cast
 
@@ -74,7 +74,8 @@ def test_from_values_is_the_constructor():
     values = [float(i) for i in range(3, n + 3)]
     made = CastStats.from_values(values, torch.float32, torch.bfloat16)
     built = CastStats(torch.float32, torch.bfloat16,
-                      *[int(v) if name in COUNT_FIELDS else v for v, name in zip(values, STAT_FIELDS)])
+                      *[int(v) if name in COUNT_FIELDS else v
+                        for v, name in zip(values, STAT_FIELDS)])
     assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
     assert all(type(getattr(made, name)) is int for name in COUNT_FIELDS)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -31,12 +31,12 @@ in_program_cast = _C.in_program_cast if WITH_EXTENSION else (lambda: False)
 # csrc/thread_casts.cpp. None without the extension.
 set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
 set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
-# all_finite(t): whether every element of a CPU tensor is finite, read in C++
-# (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
 # plain_tensor(x): whether x is a dense strided torch.Tensor or nn.Parameter
 # outside every torch.func transform, read in C++ (csrc/ops.cpp): the common
 # case of _inputs.check_input. None without the extension.
 plain_tensor = _C.plain_tensor if WITH_EXTENSION else None
+# all_finite(t): whether every element of a CPU tensor is finite, read in C++
+# (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
 all_finite = _C.all_finite if WITH_EXTENSION else (lambda t: bool(torch.isfinite(t).all()))
 # The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
 # start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),

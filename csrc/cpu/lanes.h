@@ -95,9 +95,6 @@ inline __attribute__((always_inline)) PlainSums finish_lanes(
   return PlainSums{out[kAbs], out[kSqErr], out[kSq]};
 }
 
-// The largest of a[0, used) (used a multiple of kLaneGroup), NaN skipped,
-// 0 at least: a vector of running maxima, lane by lane (a single running
-// maximum is a chain of dependent compares, much of a small tensor's call).
 template <typename T>
 struct LaneGroupOf;  // kLaneGroup lanes of T as one GCC vector
 template <>
@@ -109,6 +106,9 @@ struct LaneGroupOf<double> {
   typedef double type __attribute__((vector_size(kLaneGroup * sizeof(double))));
 };
 
+// The largest of a[0, used) (used a multiple of kLaneGroup), NaN skipped,
+// 0 at least: a vector of running maxima, lane by lane (a single running
+// maximum is a chain of dependent compares, much of a small tensor's call).
 template <typename T>
 inline __attribute__((always_inline)) T max_over_lanes(const T* a, int used) {
   using Group = typename LaneGroupOf<T>::type;
