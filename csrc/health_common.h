@@ -32,22 +32,34 @@ HealthResult health_outputs(const at::Tensor& x, int rows);
 // TypeError naming x's dtype and the supported ones.
 [[noreturn]] void unsupported_health_dtype(at::ScalarType dtype);
 
+// Calls fn(F{}) with the health::Format F of dtype, for the six floating
+// dtypes whose bits torchcast reads (tensor_health, and count_nonfinite and
+// all_finite in cpu/all_finite.cpp); returns false, calling nothing, for any
+// other dtype.
+template <typename Fn>
+bool with_health_format(at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kDouble: fn(health::Float64Format{}); return true;
+    case at::kFloat: fn(health::Float32Format{}); return true;
+    case at::kHalf: fn(health::Float16Format{}); return true;
+    case at::kBFloat16: fn(health::BFloat16Format{}); return true;
+    case at::kFloat8_e4m3fn: fn(health::Float8E4M3FnFormat{}); return true;
+    case at::kFloat8_e5m2: fn(health::Float8E5M2Format{}); return true;
+    default: return false;
+  }
+}
+
 // The kernel of tensor_health for one backend, whose
 // Backend::template run<Format>(x, input) returns the three outputs; each
 // backend registers this with its own Backend.
 template <typename Backend>
 HealthResult tensor_health(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kDouble: return Backend::template run<health::Float64Format>(x, health_input(x));
-    case at::kFloat: return Backend::template run<health::Float32Format>(x, health_input(x));
-    case at::kHalf: return Backend::template run<health::Float16Format>(x, health_input(x));
-    case at::kBFloat16: return Backend::template run<health::BFloat16Format>(x, health_input(x));
-    case at::kFloat8_e4m3fn:
-      return Backend::template run<health::Float8E4M3FnFormat>(x, health_input(x));
-    case at::kFloat8_e5m2:
-      return Backend::template run<health::Float8E5M2Format>(x, health_input(x));
-    default: unsupported_health_dtype(x.scalar_type());
-  }
+  HealthResult result;
+  const bool known = with_health_format(x.scalar_type(), [&](auto format) {
+    result = Backend::template run<decltype(format)>(x, health_input(x));
+  });
+  if (!known) unsupported_health_dtype(x.scalar_type());
+  return result;
 }
 
 }  // namespace torchcast

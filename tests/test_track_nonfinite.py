@@ -303,3 +303,39 @@ def test_record_and_warn_take_the_cpp_check_raise_the_mode(path):
     assert served == (path == "cpp")
     with torchcast.track(nonfinite="raise") as report:
         assert report.nonfinite_watch not in getattr(nonfinite._cpp, "watches", ())
+
+
+def _finite_reference(t):
+    """torch.isfinite, read through float64 for the dtypes it has no kernel for."""
+    if t.is_complex():
+        return _finite_reference(torch.view_as_real(t.resolve_conj().resolve_neg()))
+    return bool(torch.isfinite(t.double()).all())
+
+
+def test_all_finite_reads_every_dtype_as_torch_isfinite_does():
+    """_ops.all_finite (the per-op check of the C++ watch) against torch.isfinite:
+    every bit pattern of the 8- and 16-bit dtypes one at a time in a finite
+    tensor, wide dtypes and complex ones with NaN/inf in either part, views
+    it reads through at::isfinite, and dtypes it has no bit test for."""
+    from values import every_value
+    for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        values = every_value(dtype)
+        base = torch.zeros(40_000, dtype=dtype)  # past one block of the C++ loop
+        for i in range(values.numel()):
+            if i % 97 and not torch.isfinite(values[i:i + 1].float()).logical_not().any():
+                continue  # a sample of the finite patterns, and every non-finite one
+            t = base.clone()
+            t[-1] = values[i]
+            assert _ops.all_finite(t) == _finite_reference(t), (dtype, i)
+    for dtype in (torch.float64, torch.float32, torch.complex128, torch.complex64,
+                  torch.complex32):
+        for bad in (None, float("nan"), float("inf"), -float("inf"), complex(0, float("nan"))):
+            if bad is not None and isinstance(bad, complex) and not dtype.is_complex:
+                continue
+            t = torch.ones(70_000, dtype=dtype)
+            if bad is not None:
+                t[12_345] = bad
+            for view in (t, t[::3], t.conj() if dtype.is_complex else -t):
+                assert _ops.all_finite(view) == _finite_reference(view), (dtype, bad)
+    for t in (torch.tensor([1, 2]), torch.tensor([True]), torch.empty(0)):
+        assert _ops.all_finite(t) == _finite_reference(t)

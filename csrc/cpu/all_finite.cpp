@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "../all_finite.h"
-#include "../health.h"
+#include "../health_common.h"
 #include "simd.h"
 
 namespace torchcast {
@@ -22,24 +22,27 @@ constexpr int64_t kBlock = 1 << 14;  // elements between looks at the other thre
 // Elements per thread: waking a second thread costs more than it saves below.
 constexpr int64_t kGrain = 1 << 17;
 
-// Whether any of p[0, n) is non-finite. An accumulator as wide as the
-// elements (a bool one does not vectorize); compiled for AVX-512, AVX2 and the
-// baseline, the widest the CPU has chosen at load time.
-template <typename Bits>
-TC_CPU_CLONES bool any_nonfinite(const Bits* __restrict__ p, int64_t n, Bits mask,
-                                 Bits nonfinite) {
+// Whether any of p[0, n) is non-finite: its exponent bits (float8_e4m3fn:
+// all its bits but the sign) all ones, which is F::kNonFinite in both
+// senses. An accumulator as wide as the elements (a bool one does not
+// vectorize); compiled for AVX-512, AVX2 and the baseline, the widest the CPU
+// has chosen at load time.
+template <typename F>
+TC_CPU_CLONES bool any_nonfinite(const typename F::bits_t* __restrict__ p, int64_t n) {
+  using Bits = typename F::bits_t;
   Bits any = 0;
-  for (int64_t i = 0; i < n; ++i) any |= Bits((p[i] & mask) == nonfinite);
+  for (int64_t i = 0; i < n; ++i) any |= Bits((p[i] & F::kNonFinite) == F::kNonFinite);
   return any != 0;
 }
 
-template <typename Bits>
-bool bits_all_finite(const void* data, int64_t n, Bits mask, Bits nonfinite) {
-  const Bits* p = static_cast<const Bits*>(data);
+// F: a health::Format (health.h).
+template <typename F>
+bool format_all_finite(const void* data, int64_t n) {
+  const auto* p = static_cast<const typename F::bits_t*>(data);
   std::atomic<bool> bad{false};
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end && !bad.load(std::memory_order_relaxed); b += kBlock) {
-      if (any_nonfinite(p + b, std::min(end, b + kBlock) - b, mask, nonfinite)) {
+      if (any_nonfinite<F>(p + b, std::min(end, b + kBlock) - b)) {
         bad.store(true, std::memory_order_relaxed);
       }
     }
@@ -103,17 +106,13 @@ NonfiniteCounts format_nonfinite_counts(const at::Tensor& x) {
 NonfiniteCounts count_nonfinite(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.is_non_overlapping_and_dense(),
               "torchcast count_nonfinite: expected a dense CPU tensor");
-  switch (x.scalar_type()) {
-    case at::kDouble: return format_nonfinite_counts<health::Float64Format>(x);
-    case at::kFloat: return format_nonfinite_counts<health::Float32Format>(x);
-    case at::kHalf: return format_nonfinite_counts<health::Float16Format>(x);
-    case at::kBFloat16: return format_nonfinite_counts<health::BFloat16Format>(x);
-    case at::kFloat8_e4m3fn: return format_nonfinite_counts<health::Float8E4M3FnFormat>(x);
-    case at::kFloat8_e5m2: return format_nonfinite_counts<health::Float8E5M2Format>(x);
-    default:
-      TORCH_CHECK_TYPE(false, "torchcast count_nonfinite: expected a floating dtype, got ",
-                       x.scalar_type());
-  }
+  NonfiniteCounts counts;
+  const bool known = with_health_format(x.scalar_type(), [&](auto format) {
+    counts = format_nonfinite_counts<decltype(format)>(x);
+  });
+  TORCH_CHECK_TYPE(known, "torchcast count_nonfinite: expected a floating dtype, got ",
+                   x.scalar_type());
+  return counts;
 }
 
 bool all_finite(const at::Tensor& x) {
@@ -124,30 +123,14 @@ bool all_finite(const at::Tensor& x) {
   if (!x.is_contiguous() || x.is_conj() || x.is_neg()) {
     return at::isfinite(x).all().item<bool>();
   }
+  // A complex tensor is twice as many elements of its real dtype.
   const void* p = x.const_data_ptr();
-  const int64_t n = x.numel();
-  switch (dtype) {
-    case at::kDouble:
-      return bits_all_finite<uint64_t>(p, n, 0x7ff0000000000000ull, 0x7ff0000000000000ull);
-    case at::kComplexDouble:
-      return bits_all_finite<uint64_t>(p, 2 * n, 0x7ff0000000000000ull, 0x7ff0000000000000ull);
-    case at::kFloat:
-      return bits_all_finite<uint32_t>(p, n, 0x7f800000u, 0x7f800000u);
-    case at::kComplexFloat:
-      return bits_all_finite<uint32_t>(p, 2 * n, 0x7f800000u, 0x7f800000u);
-    case at::kHalf:
-      return bits_all_finite<uint16_t>(p, n, 0x7c00, 0x7c00);
-    case at::kComplexHalf:
-      return bits_all_finite<uint16_t>(p, 2 * n, 0x7c00, 0x7c00);
-    case at::kBFloat16:
-      return bits_all_finite<uint16_t>(p, n, 0x7f80, 0x7f80);
-    case at::kFloat8_e5m2:
-      return bits_all_finite<uint8_t>(p, n, 0x7c, 0x7c);
-    case at::kFloat8_e4m3fn:
-      return bits_all_finite<uint8_t>(p, n, 0x7f, 0x7f);
-    default:
-      return at::isfinite(x).all().item<bool>();
-  }
+  const int64_t n = x.is_complex() ? 2 * x.numel() : x.numel();
+  bool finite = true;
+  const bool known = with_health_format(c10::toRealValueType(dtype), [&](auto format) {
+    finite = format_all_finite<decltype(format)>(p, n);
+  });
+  return known ? finite : at::isfinite(x).all().item<bool>();
 }
 
 }  // namespace torchcast
