@@ -339,3 +339,8 @@ def test_all_finite_reads_every_dtype_as_torch_isfinite_does():
                 assert _ops.all_finite(view) == _finite_reference(view), (dtype, bad)
     for t in (torch.tensor([1, 2]), torch.tensor([True]), torch.empty(0)):
         assert _ops.all_finite(t) == _finite_reference(t)
+    for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):  # no bit test, no isfinite
+        for values in ([1.0, 2.0], [1.0, float("nan")]):
+            t = torch.tensor(values * 3).to(dtype)
+            for view in (t, t[::2]):
+                assert _ops.all_finite(view) == _finite_reference(view), (dtype, values)

@@ -120,9 +120,13 @@ bool all_finite(const at::Tensor& x) {
               x.device());
   const auto dtype = x.scalar_type();
   if (!at::isFloatingType(dtype) && !at::isComplexType(dtype)) return true;
-  if (!x.is_contiguous() || x.is_conj() || x.is_neg()) {
-    return at::isfinite(x).all().item<bool>();
-  }
+  // at::isfinite has no kernel for the float8 dtypes torchcast does not read
+  // by their bits (e4m3fnuz, e5m2fnuz, e8m0fnu): they widen to float64 exactly.
+  const auto isfinite_all = [&x] {
+    const bool direct = x.is_complex() || with_health_format(x.scalar_type(), [](auto) {});
+    return at::isfinite(direct ? x : x.to(at::kDouble)).all().item<bool>();
+  };
+  if (!x.is_contiguous() || x.is_conj() || x.is_neg()) return isfinite_all();
   // A complex tensor is twice as many elements of its real dtype.
   const void* p = x.const_data_ptr();
   const int64_t n = x.is_complex() ? 2 * x.numel() : x.numel();
@@ -130,7 +134,7 @@ bool all_finite(const at::Tensor& x) {
   const bool known = with_health_format(c10::toRealValueType(dtype), [&](auto format) {
     finite = format_all_finite<decltype(format)>(p, n);
   });
-  return known ? finite : at::isfinite(x).all().item<bool>();
+  return known ? finite : isfinite_all();
 }
 
 }  // namespace torchcast
