@@ -261,7 +261,7 @@ class PendingStats:
     def value(self) -> CastStats:
         """The CastStats, read from the tensor on first use."""
         if self._value is None:
-            self._value = CastStats.from_values(self._read(), self.src_dtype, self.dtype)
+            self._value = CastStats.from_values(self.read(), self.src_dtype, self.dtype)
         return self._value
 
     def has_loss(self) -> bool:
@@ -272,9 +272,11 @@ class PendingStats:
         call."""
         if self._value is not None:
             return any(getattr(self._value, name) for name in LOSS_COUNTS)
-        return any(map(self._read().__getitem__, _LOSS_COLUMNS))
+        return any(map(self.read().__getitem__, _LOSS_COLUMNS))
 
-    def _read(self) -> list:
+    def read(self) -> list:
+        """The tensor's values in STAT_FIELDS' order, read on first use (one
+        host synchronization, shared with ``value`` and ``has_loss``)."""
         if self._values is None:
             self._values = _read_stats(self.tensor)
         return self._values

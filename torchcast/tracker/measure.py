@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .. import _ops
-from ..stats import STAT_FIELDS, merge_stats_tensors, stats_tensor
+from ..stats import STAT_FIELDS, PendingStats, merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
 _NAN = STAT_FIELDS.index("nan")
@@ -94,19 +94,20 @@ class MeasuredCast:
     x: Optional[torch.Tensor] = None
     y: Optional[torch.Tensor] = None
 
-    def torch_result(self) -> Optional[torch.Tensor]:
+    def torch_result(self, pending: PendingStats) -> Optional[torch.Tensor]:
         """y where it holds the bits PyTorch's ``x.to(dtype)`` gives, so that
         the tracker can return it instead of casting again; None elsewhere.
         The fused op rounds correctly, and so does PyTorch for every pair it
         does not round twice (tests/test_track.py checks the two agree bit
         for bit), but NaN may be spelled with other bits: y stands in only
-        where x holds none, which is read on the CPU only (elsewhere the
-        read would synchronize)."""
+        where x holds none, which is read (from ``pending``, the stats of
+        this cast, whose read the policy then shares) on the CPU only:
+        elsewhere the read would synchronize."""
         if self.y is None or self.stats is None or self.y.dtype != self.dtype:
             return None  # (a complex cast measures its real part)
         if (self.src_dtype, self.dtype) in _DOUBLE_ROUNDED:
             return self.y  # PyTorch's own result (_measure)
-        if self.x is None or not self.x.is_cpu or self.stats.tolist()[_NAN] != 0:
+        if self.x is None or not self.x.is_cpu or pending.read()[_NAN] != 0:
             return None
         return self.y
 

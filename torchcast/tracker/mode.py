@@ -244,8 +244,10 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
         cast = measure_cast(src, dtype, out, grad_enabled)
     finally:
         torch._C._set_grad_enabled(grad_enabled)
+    pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
+        if cast is not None and cast.stats is not None else None
     if torch_cast is not None:
-        out = cast.torch_result() if cast is not None else None
+        out = cast.torch_result(pending) if pending is not None else None
         if out is None:
             out = torch_cast()
     if where.origin == "autocast" and out is not None:
@@ -254,8 +256,6 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
         return out
     key = (where.module, where.site.file, where.site.line, where.origin, None, cast.src_dtype,
            cast.dtype, where.site.via)
-    pending = PendingStats(cast.stats, cast.src_dtype, cast.dtype) \
-        if cast.stats is not None else None
     for recorder in recorders:
         recorder.add_cast(key, cast)
     for recorder in recorders:
