@@ -697,24 +697,24 @@ def test_fallback_is_used_where_no_kernel_exists(monkeypatch):
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-class _FunctionsSeen(TorchFunctionMode):
+class _Seen:
+    """A mode that records each function or op it is handed, then runs it."""
+
     def __init__(self):
         super().__init__()
         self.seen = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def _see(self, func, types, args=(), kwargs=None):
         self.seen.append(func)
         return func(*args, **(kwargs or {}))
 
 
-class _OpsSeen(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
+class _FunctionsSeen(_Seen, TorchFunctionMode):
+    __torch_function__ = _Seen._see
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
+
+class _OpsSeen(_Seen, TorchDispatchMode):
+    __torch_dispatch__ = _Seen._see
 
 
 class _LoggedTensor(torch.Tensor):
