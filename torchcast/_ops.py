@@ -37,7 +37,10 @@ set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracke
 plain_tensor = _C.plain_tensor if WITH_EXTENSION else None
 # all_finite(t): whether every element of a CPU tensor is finite, read in C++
 # (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
-all_finite = _C.all_finite if WITH_EXTENSION else (lambda t: bool(torch.isfinite(t).all()))
+all_finite = _C.all_finite if WITH_EXTENSION else (
+    # (torch.isfinite has no kernel for float8_e4m3fn and others: every
+    # floating dtype widens to float64 exactly)
+    lambda t: bool(torch.isfinite(t.double() if t.is_floating_point() else t).all()))
 # The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
 # start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),
 # take_propagated(), pause_nonfinite_watch(paused) -> whether it was paused.
