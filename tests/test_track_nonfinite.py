@@ -194,6 +194,41 @@ def test_overflowing_cast_is_an_origin(path):
     assert "65504" in origin.note
 
 
+# float8 casts that overflow (torch.isfinite, isnan and max have no kernels
+# for most float8 dtypes: the origin is still described, from float32).
+FLOAT8_OVERFLOWS = [(torch.float8_e5m2, (0, 1, 1)), (torch.float8_e4m3fnuz, (2, 0, 0)),
+                    (torch.float8_e5m2fnuz, (2, 0, 0))]
+
+
+@pytest.mark.parametrize("dtype, counts", FLOAT8_OVERFLOWS, ids=str)
+def test_an_overflowing_float8_cast_is_an_origin(path, dtype, counts):
+    x = torch.tensor([1.0, 1e6, -1e6])
+    y = x.to(dtype)
+    assert _counts(y.float()) == counts  # what torch's cast makes, read through float32
+    with torchcast.track(nonfinite="record") as report:
+        x.to(dtype)
+    origin = report.first_nonfinite
+    assert (origin.op, origin.dtype, (origin.nan, origin.posinf, origin.neginf)) == \
+        ("aten::_to_copy", dtype, counts)
+    assert origin.inputs[0].amax == 1e6
+    assert f"largest finite value is {torch.finfo(dtype).max:g}" in origin.note
+    with pytest.raises(torchcast.NonFiniteError) as caught:
+        with torchcast.track(nonfinite="raise"):
+            x.to(dtype)
+    assert caught.value.dtype == dtype
+
+
+def test_float8_origins_on_the_deferred_flags_path(monkeypatch):
+    monkeypatch.setattr(nonfinite, "checked_at_once", lambda device: False)
+    x = torch.tensor([1.0, 1e6, -1e6])
+    with torchcast.track(nonfinite="record") as report:  # one line each: three places
+        x.to(torch.float8_e5m2)
+        x.to(torch.float8_e4m3fnuz)
+        x.to(torch.float8_e5m2fnuz)
+    assert [(o.dtype, (o.nan, o.posinf, o.neginf)) for o in report.nonfinite] == \
+        FLOAT8_OVERFLOWS
+
+
 def test_all_casts_and_nonfinite_together(path):
     x = torch.tensor([1.0, 7e4])
     with torchcast.track(all_casts=True, policy="record", nonfinite="record") as report:

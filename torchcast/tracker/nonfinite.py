@@ -33,7 +33,7 @@ from .. import _ops
 from .diagnose import op_name
 from .modules import current_module, module_of_node
 from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
-                               amax_of, floating_data, wider_note)
+                               amax_of, floating_data, readable, wider_note)
 from .sites import user_site
 
 ACTIONS = ("raise", "record", "warn")
@@ -77,7 +77,7 @@ def _bad(values: Sequence[Any]) -> bool:
             if not math.isfinite(v):
                 return True
         elif isinstance(v, torch.Tensor) and floating_data(v):
-            if not (_ops.all_finite(v) if v.device.type == "cpu" else bool(torch.isfinite(v).all())):
+            if not (_ops.all_finite(v) if v.device.type == "cpu" else bool(torch.isfinite(readable(v)).all())):
                 return True
     return False
 
@@ -94,7 +94,7 @@ def inputs_nonfinite(args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
 
 def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
     """A bool tensor on ``device``: whether any value is non-finite, without a sync."""
-    flags = [~torch.isfinite(v).all() for v in values if isinstance(v, torch.Tensor) and floating_data(v)]
+    flags = [~torch.isfinite(readable(v)).all() for v in values if isinstance(v, torch.Tensor) and floating_data(v)]
     scalar_bad = any(isinstance(v, float) and not math.isfinite(v) for v in values)
     flag = torch.stack([f.to(device) for f in flags]).any() if flags else \
         torch.zeros((), dtype=torch.bool, device=device)
@@ -187,13 +187,15 @@ class NonFiniteWatch:
     # -- an origin ----------------------------------------------------------------
     def _found(self, func, args, kwargs, outs, frame, where):
         module, phase, node, site = where
-        out = next(t for t in outs if not bool(torch.isfinite(t).all()))
+        out = next(t for t in outs if not bool(torch.isfinite(readable(t)).all()))
+        values = readable(out)
         inputs = [InputInfo(t.dtype, tuple(t.shape), amax_of(t))
                   for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and floating_data(t)]
         with torch.no_grad():
-            nan, posinf, neginf = (int(torch.isnan(out).sum()), int(torch.isposinf(out).sum()),
-                                   int(torch.isneginf(out).sum()))
+            nan, posinf, neginf = (int(torch.isnan(values).sum()),
+                                   int(torch.isposinf(values).sum()),
+                                   int(torch.isneginf(values).sum()))
         origin = NonFiniteOrigin(
             op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
             file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,

@@ -16,6 +16,7 @@ from .sites import short_path
 
 _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
           torch.float8_e4m3fn: torch.float32, torch.float8_e5m2: torch.float32,
+          torch.float8_e4m3fnuz: torch.float32, torch.float8_e5m2fnuz: torch.float32,
           torch.float32: torch.float64}
 
 
@@ -118,9 +119,16 @@ def floating_data(t: torch.Tensor) -> bool:
     return type(t) in PLAIN_TENSOR_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a float8 dtype ``t`` widened to float32 (exactly):
+    torch.isfinite, isnan, isposinf and max have no kernels for the float8
+    dtypes (isfinite works for float8_e5m2 alone)."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def amax_of(t: torch.Tensor) -> float:
     """The largest |t| (0 for an empty t); one read."""
-    return float(t.detach().abs().max()) if t.numel() else 0.0
+    return float(readable(t.detach()).abs().max()) if t.numel() else 0.0
 
 
 def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
@@ -149,7 +157,7 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
     again = [t for t in tree_flatten(again)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
     if not again or any(t.dtype == dtype for t in again):
         return ""
-    if all(bool(torch.isfinite(t).all()) for t in again):
+    if all(bool(torch.isfinite(readable(t)).all()) for t in again):
         amax = max(amax_of(t) for t in again)
         limit = torch.finfo(dtype).max
         if amax > limit:
