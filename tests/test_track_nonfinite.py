@@ -370,7 +370,10 @@ def test_all_finite_reads_every_dtype_as_torch_isfinite_does():
             t = torch.ones(70_000, dtype=dtype)
             if bad is not None:
                 t[12_345] = bad
-            for view in (t, t[::3], t.conj() if dtype.is_complex else -t):
+            square = t[:250 * 250].view(250, 250)
+            for view in (t, t[::3], t.conj() if dtype.is_complex else -t,
+                         square.t(), square.t()[:, :100], square[None].expand(2, -1, -1),
+                         t[:24_000].view(2, 3, 40, 100).permute(0, 2, 3, 1)):
                 assert _ops.all_finite(view) == _finite_reference(view), (dtype, bad)
     for t in (torch.tensor([1, 2]), torch.tensor([True]), torch.empty(0)):
         assert _ops.all_finite(t) == _finite_reference(t)
@@ -379,3 +382,27 @@ def test_all_finite_reads_every_dtype_as_torch_isfinite_does():
             t = torch.tensor(values * 3).to(dtype)
             for view in (t, t[::2]):
                 assert _ops.all_finite(view) == _finite_reference(view), (dtype, values)
+
+
+def _profiled_ops(call):
+    """The names of the ops torch.profiler records while ``call`` runs."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+    return {e.name for e in prof.events()}
+
+
+def test_the_cpp_watch_leaves_the_profiler_every_op():
+    """The C++ watch switches RecordFunction off inside the ops whose callees
+    it ignores, only while it is the thread's sole observer: a profiler in
+    the block still sees the ops inside _to_copy, and after an op that
+    raised inside the watch RecordFunction is on again."""
+    x = torch.randn(8)
+    alone = _profiled_ops(x.half)
+    assert {"aten::_to_copy", "aten::copy_"} <= alone
+    with torchcast.track(nonfinite="record"):
+        assert _profiled_ops(x.half) == alone
+        with pytest.raises(RuntimeError):
+            torch.mm(torch.randn(2, 3), torch.randn(2, 3))
+        assert _profiled_ops(x.half) == alone
+    assert _profiled_ops(x.half) == alone

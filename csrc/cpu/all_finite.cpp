@@ -126,7 +126,9 @@ bool all_finite(const at::Tensor& x) {
     const bool direct = x.is_complex() || with_health_format(x.scalar_type(), [](auto) {});
     return at::isfinite(direct ? x : x.to(at::kDouble)).all().item<bool>();
   };
-  if (!x.is_contiguous() || x.is_conj() || x.is_neg()) return isfinite_all();
+  // A dense tensor in any order of its dims (a transposed or channels-last
+  // result) is numel elements from its data pointer on, in some order.
+  if (!x.is_non_overlapping_and_dense() || x.is_conj() || x.is_neg()) return isfinite_all();
   // A complex tensor is twice as many elements of its real dtype.
   const void* p = x.const_data_ptr();
   const int64_t n = x.is_complex() ? 2 * x.numel() : x.numel();

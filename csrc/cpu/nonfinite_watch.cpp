@@ -41,6 +41,7 @@ struct OpCall : at::ObserverContext {
   bool first_output = false;
   bool decomposes = false;        // CompositeImplicitAutograd: its callees are the ops that run
   bool skip = false;              // not checked, nor the ops it calls
+  bool recording_paused = false;  // RecordFunction is off in this thread until it ends
   std::vector<at::Tensor> inputs;
   std::vector<c10::IValue> input_values;
   std::unique_ptr<Origin> origin;  // found in a callee
@@ -122,6 +123,13 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
   return known.emplace(full, info).first->second;
 }
 
+// Whether this watch is the thread's only RecordFunction observer (no
+// profiler, no other tool): then it may switch RecordFunction off.
+bool sole_observer() {
+  return !at::hasGlobalCallbacks() &&
+         at::get_record_function_tls_().sorted_tls_callbacks_.size() == 1;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   // The ops an op that does not decompose calls are its implementation (the
   // copy_ inside _to_copy): its own output is what is checked.
@@ -131,6 +139,13 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   auto call = std::make_unique<OpCall>();
   call->parent = current;
   current = call.get();
+  if ((info.skip || !info.decomposes) && sole_observer()) {
+    // Nothing this op calls is looked at, and each call the dispatcher
+    // records for an observer that needs inputs and outputs boxes them
+    // (every int list a heap allocation): off until the op ends.
+    at::enableRecordFunction(false);
+    call->recording_paused = true;
+  }
   if (info.skip) {  // unchecked, and so are the ops it calls
     call->skip = true;
     return call;
@@ -189,6 +204,7 @@ void report(const Origin& origin) {
 void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   auto* call = static_cast<OpCall*>(ctx);
   if (call == nullptr) return;
+  if (call->recording_paused) at::enableRecordFunction(true);
   current = call->parent;
   if (call->skip) return;
   const Paused pause;
