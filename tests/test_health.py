@@ -217,6 +217,25 @@ def test_tensor_health_object_reads_merges_and_round_trips():
         start.add_(torchcast.tensor_health(torch.ones(2)))
 
 
+def test_merged_is_the_health_of_the_concatenation():
+    parts = [edge_values(torch.float16), every_value(torch.float16),
+             torch.zeros(3, dtype=torch.float16), torch.tensor([-0.0, 1.5], dtype=torch.float16)]
+    healths = [torchcast.tensor_health(p) for p in parts]
+    before = [h.counts.clone() for h in healths]
+    whole = torchcast.tensor_health(torch.cat(parts))
+    for chosen in (healths, healths[2:3], healths[::-1]):
+        merged = torchcast.TensorHealth.merged(chosen)
+        expected = whole if len(chosen) == len(parts) else chosen[0]
+        assert merged.dtype == torch.float16
+        assert torch.equal(merged.counts, expected.counts)
+        assert torch.equal(merged.hist, expected.hist)
+        assert torch.equal(merged.extrema, expected.extrema)
+    assert torchcast.TensorHealth.merged(healths[2:3]).extrema.tolist() == [0.0, math.inf]
+    assert all(torch.equal(h.counts, b) for h, b in zip(healths, before))  # none changes
+    with pytest.raises(ValueError, match="float32.*float16"):
+        torchcast.TensorHealth.merged([healths[0], torchcast.tensor_health(torch.ones(2))])
+
+
 def test_cpu_brings_the_health_to_the_host_once(device):
     """TensorHealth.cpu(): the same counts on the host (itself when already
     there), and headroom read from it as from the device's."""

@@ -87,6 +87,25 @@ def test_calls_merge():
     assert all(r.phase == "forward" for r in report.health)  # no_grad: no backward rows
 
 
+def test_many_calls_merge_as_one_and_rows_are_independent():
+    """A module called often enough that the watch merges its measures
+    while recording (every 256 KiB of histograms), a container sharing its
+    child's measure, and rows read twice or changed by the caller."""
+    model = Net()
+    outputs = []
+    handle = model.down.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))
+    with torch.no_grad(), torchcast.track(health=True) as report:
+        for i in range(21):
+            model(torch.randn(2 + i % 3, 16) * 10.0 ** (i % 5))
+    handle.remove()
+    rows = {r.module: r for r in report.health}
+    expected = merged(outputs)
+    assert same(rows["down"].health, expected) and same(rows["Net"].health, expected)
+    rows["down"].health.add_(torchcast.tensor_health(torch.ones(4)))
+    again = {r.module: r for r in report.health}
+    assert same(again["Net"].health, expected)  # the container's row is its own
+
+
 def test_headroom_matches_casting_the_outputs():
     model = Net()
     report, outputs = captured_run(model, torch.randn(8, 16) * 40)

@@ -3,7 +3,7 @@ subnormals, keeps amax and the smallest nonzero magnitude, and histograms
 the elements by binade and by the leading bits of their fraction (exact
 enough to predict any cast to float16, bfloat16 or float8 at a power-of-two
 scale: torchcast/headroom.py)."""
-from typing import Any, Dict, List, NamedTuple
+from typing import Any, Dict, List, NamedTuple, Sequence
 
 import torch
 
@@ -81,6 +81,24 @@ class TensorHealth:
         e, o = self.extrema, other.extrema
         torch.where(_amax_lane(e.device), torch.maximum(e, o), torch.minimum(e, o), out=e)
         return self
+
+    @classmethod
+    def merged(cls, healths: Sequence["TensorHealth"]) -> "TensorHealth":
+        """A new TensorHealth of all of ``healths`` (one dtype, one device; none
+        of them changes), on the device, in seven ops whatever their number.
+
+        Args:
+            healths: at least one TensorHealth.
+        """
+        dtype = healths[0].dtype
+        for h in healths:
+            if h.dtype != dtype:
+                raise ValueError(f"torchcast.TensorHealth.merged: cannot merge the health of a "
+                                 f"{h.dtype} tensor with that of {dtype} tensors")
+        extrema = torch.stack([h.extrema for h in healths])
+        return cls(dtype, torch.stack([h.counts for h in healths]).sum(0),
+                   torch.stack([h.hist for h in healths]).sum(0),
+                   torch.stack((extrema[:, 0].amax(), extrema[:, 1].amin())))
 
     def merge(self, other: "TensorHealth") -> "TensorHealth":
         """A new TensorHealth of both (neither changes)."""

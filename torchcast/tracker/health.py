@@ -25,6 +25,8 @@ from .modules import add_output_listener, remove_output_listener
 from .nonfinite import unwatched
 
 PHASES = ("forward", "backward")
+# The histograms an entry keeps unmerged at most (float32's is 28 KiB).
+_PENDING_BYTES = 256 << 10
 
 
 @dataclasses.dataclass
@@ -55,10 +57,18 @@ class ModuleHealth:
 
 
 class HealthWatch:
-    """The module health of one track(health=True)."""
+    """The module health of one track(health=True).
+
+    Each measure is kept as it is, appended to its entry's list, and the list
+    merged (``TensorHealth.merged``: a few ops for any number) when it is read
+    or when it holds _PENDING_BYTES of histograms: merging at every module
+    call cost five ops per call. A measure can be in several lists (a
+    container returning its last child's output shares the child's); none
+    is changed, merging makes new tensors."""
 
     def __init__(self):
-        self.entries: Dict[Tuple[Optional[str], str, torch.dtype], TensorHealth] = {}
+        self.entries: Dict[Tuple[Optional[str], str, torch.dtype], List[TensorHealth]] = {}
+        self._merged = set()  # the keys whose list is one TensorHealth of this watch's own
         self.lock = threading.RLock()
         self.active = False
         # (weakref to the tensor, its version, its measure, its gradient hook):
@@ -73,24 +83,29 @@ class HealthWatch:
         self.active = False
         remove_output_listener(self.on_output)
 
-    def _add(self, module, phase, dtype, measured, owned):
-        """Merges ``measured`` into an entry; a new entry takes it as it is
-        when ``owned`` (no other entry holds it), else a copy."""
+    def _add(self, module, phase, dtype, measured):
         key = (module, phase, dtype)
-        with unwatched(), self.lock:
-            known = self.entries.get(key)
-            if known is None:
-                self.entries[key] = measured if owned else \
-                    measured.merge(TensorHealth.empty(dtype, measured.hist.device))
-            else:
-                known.add_(measured)
+        with self.lock:
+            pending = self.entries.get(key)
+            if pending is None:
+                self.entries[key] = [measured]
+                return
+            pending.append(measured)
+            if len(pending) * measured.hist.numel() * 8 >= _PENDING_BYTES:
+                self._merge(key)
+
+    def _merge(self, key):
+        """Replaces the list of ``key`` by one TensorHealth (lock held)."""
+        with unwatched():
+            self.entries[key] = [TensorHealth.merged(self.entries[key])]
+        self._merged.add(key)
 
     def measure(self, modules: List[Optional[str]], phase: str, t: torch.Tensor) -> None:
         """Measures ``t`` once, for each of ``modules``."""
         with unwatched():
             measured = tensor_health(t.detach())
-        for i, module in enumerate(modules):
-            self._add(module, phase, t.dtype, measured, owned=i == 0)
+        for module in modules:
+            self._add(module, phase, t.dtype, measured)
 
     def on_output(self, module: Optional[str], output: Any) -> None:
         """The module hooks' listener: measures each floating output, and
@@ -105,13 +120,13 @@ class HealthWatch:
             last = self._last
             if last is not None and last[0]() is t and last[1] == t._version:
                 _, _, measured, hook = last
-                self._add(module, "forward", t.dtype, measured, owned=False)
+                self._add(module, "forward", t.dtype, measured)
                 if hook is not None:
                     hook.modules.append(module)
                 continue
             with unwatched():
                 measured = tensor_health(t.detach())
-            self._add(module, "forward", t.dtype, measured, owned=True)
+            self._add(module, "forward", t.dtype, measured)
             hook = None
             if t.requires_grad and torch.is_grad_enabled():
                 hook = _GradHook(self, module)
@@ -125,7 +140,9 @@ class HealthWatch:
         watch = cls()
         for d in rows:
             h = TensorHealth.from_dict(d)
-            watch.entries[(d["module"], d["phase"], h.dtype)] = h
+            key = (d["module"], d["phase"], h.dtype)
+            watch.entries[key] = [h]
+            watch._merged.add(key)
         return watch
 
     def rows(self) -> List[ModuleHealth]:
@@ -133,7 +150,10 @@ class HealthWatch:
         binades to overflow (forward) and the largest share of zero and
         subnormal gradients (backward)."""
         with self.lock:
-            rows = [ModuleHealth(m, phase, h) for (m, phase, _), h in self.entries.items()]
+            for key in [k for k in self.entries if k not in self._merged or
+                        len(self.entries[k]) > 1]:
+                self._merge(key)
+            rows = [ModuleHealth(m, phase, h) for (m, phase, _), (h,) in self.entries.items()]
         return sorted(rows, key=_severity)
 
 
