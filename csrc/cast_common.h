@@ -139,7 +139,10 @@ at::Tensor cast_into(const at::Tensor& x, CastKind kind, at::ScalarType dtype,
                      const float* scale, std::optional<bool> saturate, at::Tensor& y) {
   if (kind == CastKind::kExact) {
     y.copy_(x);
-    return exact_cast_stats(x);
+    // y holds every value of x (widened exactly): the same NaN, inf and amax.
+    // A strided x is read through y when y is dense, not copied once more.
+    const bool through_y = !x.is_non_overlapping_and_dense() && y.is_non_overlapping_and_dense();
+    return exact_cast_stats(through_y ? y : x);
   }
   const CastOptions o{resolve_saturate(saturate, dtype), scale};
   switch (x.scalar_type()) {

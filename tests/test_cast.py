@@ -402,16 +402,23 @@ def test_more_than_2_31_elements(src, dst):
 @pytest.mark.parametrize("shape", [(10, 3), pytest.param((70001,), marks=pytest.mark.cuda_cases)])
 def test_exact_casts_zero_loss_and_copy(device, src, dst, shape):
     """An exact cast loses nothing; its stats are numel, the NaN it carries
-    (a NaN gradient widened for the optimizer is still news) and amax."""
-    x = torch.randn(shape).to(src)
-    x.view(-1)[::7] = math.nan
-    y, s = op_stats(x, dst, device)
-    x = on_device(x, device)
-    assert y.data_ptr() != x.data_ptr()
-    assert torch.equal(y.isnan(), x.isnan()) and torch.equal(y.nan_to_num(), x.to(dst).nan_to_num())
-    amax = x.double().nan_to_num(0.0).abs().max().item()
-    assert s == CastStats(src, dst, numel=x.numel(), nan=-(-x.numel() // 7), amax=amax)
-    assert torch.equal(cast_ref.cast_with_stats(x.cpu(), dst)[1], op(x.cpu(), dst)[1])
+    (a NaN gradient widened for the optimizer is still news) and amax; in
+    every layout (a strided x is measured through its dense y)."""
+    base = torch.randn(shape).to(src)
+    base.view(-1)[::7] = math.nan
+    base.view(-1)[3] = math.inf
+    views = [base, base[::3], base[1:].t() if base.dim() == 2 else base[5:].view(-1, 4)[:, 1:3]]
+    for x in views:
+        y, s = op_stats(x, dst, device)
+        x = on_device(x, device)
+        assert y.data_ptr() != x.data_ptr()
+        assert torch.equal(y.isnan(), x.isnan())
+        assert torch.equal(y.nan_to_num(), x.to(dst).nan_to_num())
+        ref = x.double().cpu().numpy()
+        amax = float(np.abs(ref[np.isfinite(ref)]).max())
+        assert s == CastStats(src, dst, numel=x.numel(), nan=int(np.isnan(ref).sum()),
+                              inf=int(np.isinf(ref).sum()), amax=amax)
+        assert torch.equal(cast_ref.cast_with_stats(x.cpu(), dst)[1], op(x.cpu(), dst)[1])
 
 
 @pytest.mark.parametrize("src,dst", [(torch.int32, torch.float32),
