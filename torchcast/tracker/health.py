@@ -8,6 +8,7 @@ output that requires grad measures the gradient that reaches it (the
 gradient flowing into the module from what used its output). The measures
 stay tensors on the device, merged per (module, phase, dtype), until read.
 """
+import collections
 import dataclasses
 import math
 import threading
@@ -150,9 +151,17 @@ class HealthWatch:
         binades to overflow (forward) and the largest share of zero and
         subnormal gradients (backward)."""
         with self.lock:
-            for key in [k for k in self.entries if k not in self._merged or
-                        len(self.entries[k]) > 1]:
+            for key in [k for k, pending in self.entries.items() if len(pending) > 1]:
                 self._merge(key)
+            # A measure one entry holds alone becomes that entry's own; one that
+            # several hold (a container and its last child) is copied for all
+            # but one of them, so that no two rows share tensors.
+            holders = collections.Counter(id(h) for (h,) in self.entries.values())
+            for key, (h,) in list(self.entries.items()):
+                if key not in self._merged and holders[id(h)] > 1:
+                    holders[id(h)] -= 1
+                    self._merge(key)
+                self._merged.add(key)
             rows = [ModuleHealth(m, phase, h) for (m, phase, _), (h,) in self.entries.items()]
         return sorted(rows, key=_severity)
 
