@@ -85,6 +85,7 @@ class HealthWatch:
         remove_output_listener(self.on_output)
 
     def _add(self, module, phase, dtype, measured):
+        """Appends ``measured`` to the entry (module, phase, dtype)."""
         key = (module, phase, dtype)
         with self.lock:
             pending = self.entries.get(key)

@@ -77,7 +77,9 @@ def _bad(values: Sequence[Any]) -> bool:
             if not math.isfinite(v):
                 return True
         elif isinstance(v, torch.Tensor) and floating_data(v):
-            if not (_ops.all_finite(v) if v.device.type == "cpu" else bool(torch.isfinite(readable(v)).all())):
+            finite = _ops.all_finite(v) if v.device.type == "cpu" else \
+                bool(torch.isfinite(readable(v)).all())
+            if not finite:
                 return True
     return False
 
@@ -94,7 +96,8 @@ def inputs_nonfinite(args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
 
 def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
     """A bool tensor on ``device``: whether any value is non-finite, without a sync."""
-    flags = [~torch.isfinite(readable(v)).all() for v in values if isinstance(v, torch.Tensor) and floating_data(v)]
+    flags = [~torch.isfinite(readable(v)).all() for v in values
+             if isinstance(v, torch.Tensor) and floating_data(v)]
     scalar_bad = any(isinstance(v, float) and not math.isfinite(v) for v in values)
     flag = torch.stack([f.to(device) for f in flags]).any() if flags else \
         torch.zeros((), dtype=torch.bool, device=device)

@@ -120,9 +120,9 @@ def floating_data(t: torch.Tensor) -> bool:
 
 
 def readable(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or for a float8 dtype ``t`` widened to float32 (exactly):
-    torch.isfinite, isnan, isposinf and max have no kernels for the float8
-    dtypes (isfinite works for float8_e5m2 alone)."""
+    """``t``, or for a float8 dtype ``t`` widened to float32 (exactly): torch's
+    isposinf, isneginf and max have no CPU kernels for the float8 dtypes, nor
+    isfinite and isinf for all but float8_e5m2 (tests/test_track_nonfinite.py)."""
     return t.float() if t.is_floating_point() and t.element_size() == 1 else t
 
 
