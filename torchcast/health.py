@@ -85,7 +85,7 @@ class TensorHealth:
     @classmethod
     def merged(cls, healths: Sequence["TensorHealth"]) -> "TensorHealth":
         """A new TensorHealth of all of ``healths`` (one dtype, one device; none
-        of them changes), on the device, in seven ops whatever their number.
+        of them changes), on the device, in eight ops whatever their number.
 
         Args:
             healths: at least one TensorHealth.
