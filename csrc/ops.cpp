@@ -113,6 +113,27 @@ PyObject* plain_tensor(PyObject*, PyObject* obj) {
                          !x.key_set().has_any(wrapped));
 }
 
+// An op's results as a Python tuple of tensors (nullptr, with the error set,
+// if one cannot be made).
+template <typename... Tensors>
+PyObject* wrap_tensors(std::tuple<Tensors...>&& results) {
+  PyObject* tuple = PyTuple_New(sizeof...(Tensors));
+  if (tuple == nullptr) return nullptr;
+  Py_ssize_t i = 0;
+  bool wrapped = true;
+  const auto add = [&](at::Tensor& t) {
+    PyObject* item = wrapped ? THPVariable_Wrap(std::move(t)) : nullptr;
+    wrapped = item != nullptr;
+    if (wrapped) PyTuple_SET_ITEM(tuple, i++, item);
+  };
+  std::apply([&](auto&... t) { (add(t), ...); }, results);
+  if (!wrapped) {
+    Py_DECREF(tuple);  // its unset items are NULL, which tuple deallocation skips
+    return nullptr;
+  }
+  return tuple;
+}
+
 // cast_with_stats(x, dtype, scale=None, saturate=None) -> (y, stats) or None:
 // torch.ops.torchcast.cast_with_stats through the dispatcher (autograd,
 // dispatch modes, every backend as there), without torch.ops' conversion of
@@ -155,22 +176,29 @@ PyObject* cast_with_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     pybind11::gil_scoped_release no_gil;
     result = op.call(x, dtype, scale, saturate);
   }
-  PyObject* y = THPVariable_Wrap(std::move(std::get<0>(result)));
-  if (y == nullptr) return nullptr;
-  PyObject* stats = THPVariable_Wrap(std::move(std::get<1>(result)));
-  if (stats == nullptr) {
-    Py_DECREF(y);
-    return nullptr;
+  return wrap_tensors(std::move(result));
+  END_HANDLE_TH_ERRORS
+}
+
+// tensor_health(x) -> (counts, hist, extrema) or None: as cast_with_stats,
+// torch.ops.torchcast.tensor_health without torch.ops' argument conversion
+// (track(health=True) measures every module output and gradient with it).
+PyObject* tensor_health(PyObject*, PyObject* obj) {
+  if (!THPVariable_Check(obj) || !without_torch_function(obj)) Py_RETURN_NONE;
+  HANDLE_TH_ERRORS
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchcast::tensor_health", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&)>();
+  static const bool cuda_kernels = op.hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  const at::Tensor& x = THPVariable_Unpack(obj);
+  if (!(x.is_cpu() || (x.is_cuda() && cuda_kernels))) Py_RETURN_NONE;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
+  {
+    pybind11::gil_scoped_release no_gil;
+    result = op.call(x);
   }
-  PyObject* pair = PyTuple_New(2);
-  if (pair == nullptr) {
-    Py_DECREF(y);
-    Py_DECREF(stats);
-    return nullptr;
-  }
-  PyTuple_SET_ITEM(pair, 0, y);
-  PyTuple_SET_ITEM(pair, 1, stats);
-  return pair;
+  return wrap_tensors(std::move(result));
   END_HANDLE_TH_ERRORS
 }
 
@@ -238,6 +266,9 @@ PyMethodDef methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(cast_with_stats)), METH_FASTCALL,
      "torch.ops.torchcast.cast_with_stats(x, dtype, scale, saturate=saturate) without torch.ops' "
      "argument conversion; None where torch.ops is to answer instead."},
+    {"tensor_health", tensor_health, METH_O,
+     "torch.ops.torchcast.tensor_health(x) without torch.ops' argument conversion; None where "
+     "torch.ops is to answer instead."},
     {"plain_tensor", plain_tensor, METH_O,
      "Whether x is a dense strided torch.Tensor or nn.Parameter outside every torch.func "
      "transform."},

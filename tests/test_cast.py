@@ -10,8 +10,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchcast
 from torchcast import _ops
@@ -19,6 +17,7 @@ from torchcast._reference import cast as cast_ref
 from torchcast.stats import STAT_FIELDS, CastStats
 
 from devices import on_device
+from modes import FunctionsSeen, LoggedTensor, OpsSeen
 from numpy_ref import edge_values, round_to_format, stats_reference, to_numpy64
 
 op = torch.ops.torchcast.cast_with_stats
@@ -704,35 +703,6 @@ def test_fallback_is_used_where_no_kernel_exists(monkeypatch):
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-class _Seen:
-    """A mode that records each function or op it is handed, then runs it."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def _see(self, func, types, args=(), kwargs=None):
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-class _FunctionsSeen(_Seen, TorchFunctionMode):
-    __torch_function__ = _Seen._see
-
-
-class _OpsSeen(_Seen, TorchDispatchMode):
-    __torch_dispatch__ = _Seen._see
-
-
-class _LoggedTensor(torch.Tensor):
-    seen = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(func)
-        return super().__torch_function__(func, types, args, kwargs)
-
-
 CAST_OP = torch.ops.torchcast.cast_with_stats.default
 
 
@@ -744,18 +714,18 @@ def test_cast_reaches_torch_function_modes_subclasses_and_dispatch_modes():
     __torch_function__) is cast with its gradient."""
     x = wide_random(300, torch.float64, 5)
     ref_y, ref_stats = CAST_OP(x, torch.float16)
-    with _FunctionsSeen() as mode:
+    with FunctionsSeen() as mode:
         y, stats = torchcast.cast_with_stats(x, torch.float16)
     assert CAST_OP in mode.seen
     assert torch.equal(y, ref_y) and torch.equal(stats, ref_stats)
 
-    _LoggedTensor.seen.clear()
-    y, stats = torchcast.cast_with_stats(x.as_subclass(_LoggedTensor), torch.float16)
-    assert CAST_OP in _LoggedTensor.seen
+    LoggedTensor.seen.clear()
+    y, stats = torchcast.cast_with_stats(x.as_subclass(LoggedTensor), torch.float16)
+    assert CAST_OP in LoggedTensor.seen
     assert torch.equal(y.as_subclass(torch.Tensor), ref_y)
     assert torch.equal(stats.as_subclass(torch.Tensor), ref_stats)
 
-    with _OpsSeen() as mode:
+    with OpsSeen() as mode:
         y, stats = torchcast.cast_with_stats(x, torch.float16)
     assert CAST_OP in mode.seen
     assert torch.equal(y, ref_y) and torch.equal(stats, ref_stats)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import torchcast
 from devices import on_device
+from modes import FunctionsSeen, LoggedTensor, OpsSeen
 from numpy_ref import tensor_health_reference
 from torchcast import _ops
 from torchcast._reference import health as health_reference
@@ -136,6 +137,7 @@ def test_reference_is_the_kernel(dtype):
 
 def test_fallback_warns_once_and_matches(monkeypatch):
     monkeypatch.setattr(_ops, "_KERNELS", frozenset())
+    monkeypatch.setattr(_ops, "_health_entry", lambda x: None)  # declines, as for such a device
     monkeypatch.setattr(_ops, "_warned_fallback", set())
     x = edge_values(torch.float32)
     with pytest.warns(RuntimeWarning, match="pure-PyTorch"):
@@ -177,6 +179,34 @@ def test_input_that_requires_grad():
     assert not extrema.requires_grad and extrema.grad_fn is None
     health = torchcast.tensor_health(x * 2)
     assert health.numel == 5
+
+
+HEALTH_OP = torch.ops.torchcast.tensor_health.default
+# What a mode sees: the overload (dispatch modes) or the packet torch.ops calls.
+HEALTH_OPS = (HEALTH_OP, torch.ops.torchcast.tensor_health)
+
+
+def test_reaches_torch_function_modes_subclasses_and_dispatch_modes():
+    """torchcast.tensor_health calls the op through a C++ entry that skips
+    torch.ops' argument boxing (as cast_with_stats does): modes and
+    subclasses still see the op, and the results are torch.ops' own."""
+    x = torch.randn(300, dtype=torch.float64) * 1e20
+    ref = HEALTH_OP(x)
+
+    def same(h):
+        return all(torch.equal(a.as_subclass(torch.Tensor), b)
+                   for a, b in zip((h.counts, h.hist, h.extrema), ref))
+
+    with FunctionsSeen() as mode:
+        assert same(torchcast.tensor_health(x))
+    assert any(f in HEALTH_OPS for f in mode.seen)
+    LoggedTensor.seen.clear()
+    assert same(torchcast.tensor_health(x.as_subclass(LoggedTensor)))
+    assert any(f in HEALTH_OPS for f in LoggedTensor.seen)
+    with OpsSeen() as mode:
+        assert same(torchcast.tensor_health(x))
+    assert any(f in HEALTH_OPS for f in mode.seen)
+    assert same(torchcast.tensor_health(torch.nn.Parameter(x)))
 
 
 def test_compiles_fullgraph():

@@ -326,9 +326,17 @@ def _tensor_health_fake(x):
             x.new_empty(extrema, dtype=torch.float64))
 
 
+_health_entry = _C.tensor_health if WITH_EXTENSION else None
+
+
 def tensor_health(x):
     """(counts, hist, extrema): the op, or the pure-PyTorch fallback where no
     kernel exists."""
+    # The C++ entry first, as for cast_with_stats.
+    if _health_entry is not None and not torch.compiler.is_compiling():
+        result = _health_entry(x)
+        if result is not None:
+            return result
     if not has_kernel("tensor_health", x.device):
         _warn_fallback(x.device)
         return health_reference.tensor_health(x)
