@@ -35,12 +35,24 @@ set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracke
 # outside every torch.func transform, read in C++ (csrc/ops.cpp): the common
 # case of _inputs.check_input. None without the extension.
 plain_tensor = _C.plain_tensor if WITH_EXTENSION else None
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a float8 dtype ``t`` widened to float32 (exactly): torch's
+    isposinf, isneginf and max have no CPU kernels for the float8 dtypes, nor
+    isfinite and isinf for all but float8_e5m2 (tests/test_track_nonfinite.py)."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
+
+
+def torch_all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` (any device, any dtype) is finite, by
+    torch.isfinite: one sync."""
+    return bool(torch.isfinite(readable(t)).all())
+
+
 # all_finite(t): whether every element of a CPU tensor is finite, read in C++
 # (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
-all_finite = _C.all_finite if WITH_EXTENSION else (
-    # (torch.isfinite has no kernel for float8_e4m3fn and others: every
-    # floating dtype widens to float64 exactly)
-    lambda t: bool(torch.isfinite(t.double() if t.is_floating_point() else t).all()))
+all_finite = _C.all_finite if WITH_EXTENSION else torch_all_finite
 # The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
 # start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),
 # take_propagated(), pause_nonfinite_watch(paused) -> whether it was paused.

@@ -102,8 +102,7 @@ class TensorHealth:
 
     def merge(self, other: "TensorHealth") -> "TensorHealth":
         """A new TensorHealth of both (neither changes)."""
-        return TensorHealth(self.dtype, self.counts.clone(), self.hist.clone(),
-                            self.extrema.clone()).add_(other)
+        return TensorHealth.merged((self, other))
 
     def cpu(self) -> "TensorHealth":
         """This health on the host (itself when it is there already): one

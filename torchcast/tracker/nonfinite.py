@@ -33,7 +33,7 @@ from .. import _ops
 from .diagnose import op_name
 from .modules import current_module, module_of_node
 from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
-                               amax_of, floating_data, readable, wider_note)
+                               amax_of, floating_data, wider_note)
 from .sites import user_site
 
 ACTIONS = ("raise", "record", "warn")
@@ -77,9 +77,8 @@ def _bad(values: Sequence[Any]) -> bool:
             if not math.isfinite(v):
                 return True
         elif isinstance(v, torch.Tensor) and floating_data(v):
-            finite = _ops.all_finite(v) if v.device.type == "cpu" else \
-                bool(torch.isfinite(readable(v)).all())
-            if not finite:
+            finite = _ops.all_finite if v.device.type == "cpu" else _ops.torch_all_finite
+            if not finite(v):
                 return True
     return False
 
@@ -96,7 +95,7 @@ def inputs_nonfinite(args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
 
 def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
     """A bool tensor on ``device``: whether any value is non-finite, without a sync."""
-    flags = [~torch.isfinite(readable(v)).all() for v in values
+    flags = [~torch.isfinite(_ops.readable(v)).all() for v in values
              if isinstance(v, torch.Tensor) and floating_data(v)]
     scalar_bad = any(isinstance(v, float) and not math.isfinite(v) for v in values)
     flag = torch.stack([f.to(device) for f in flags]).any() if flags else \
@@ -190,8 +189,8 @@ class NonFiniteWatch:
     # -- an origin ----------------------------------------------------------------
     def _found(self, func, args, kwargs, outs, frame, where):
         module, phase, node, site = where
-        out = next(t for t in outs if not bool(torch.isfinite(readable(t)).all()))
-        values = readable(out)
+        out = next(t for t in outs if not _ops.torch_all_finite(t))
+        values = _ops.readable(out)
         inputs = [InputInfo(t.dtype, tuple(t.shape), amax_of(t))
                   for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and floating_data(t)]

@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._inputs import PLAIN_TENSOR_TYPES
+from .._ops import readable, torch_all_finite
 from ..stats import dtype_from_name, short_dtype_name
 from .diagnose import op_name
 from .sites import short_path
@@ -119,13 +120,6 @@ def floating_data(t: torch.Tensor) -> bool:
     return type(t) in PLAIN_TENSOR_TYPES and (t.is_floating_point() or t.is_complex()) and t.numel() > 0
 
 
-def readable(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or for a float8 dtype ``t`` widened to float32 (exactly): torch's
-    isposinf, isneginf and max have no CPU kernels for the float8 dtypes, nor
-    isfinite and isinf for all but float8_e5m2 (tests/test_track_nonfinite.py)."""
-    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
-
-
 def amax_of(t: torch.Tensor) -> float:
     """The largest |t| (0 for an empty t); one read."""
     return float(readable(t.detach()).abs().max()) if t.numel() else 0.0
@@ -157,7 +151,7 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
     again = [t for t in tree_flatten(again)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
     if not again or any(t.dtype == dtype for t in again):
         return ""
-    if all(bool(torch.isfinite(readable(t)).all()) for t in again):
+    if all(torch_all_finite(t) for t in again):
         amax = max(amax_of(t) for t in again)
         limit = torch.finfo(dtype).max
         if amax > limit:
