@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <utility>
 
@@ -75,6 +76,13 @@ bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to) {
   return saturate.value_or(to == at::kFloat8_e4m3fn);
 }
 
+namespace {
+constexpr const char* kBadScale =
+    "torchcast.cast_with_stats: scale must be positive and finite (x * scale is cast, y / scale "
+    "is read back); a zero or inf scale comes from an inf or zero amax (e.g. in a delayed-scaling "
+    "history): recompute it with torchcast.scaling.amax_scale(x, dtype), or skip this cast";
+}  // namespace
+
 const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
                         const std::optional<at::Tensor>& scale) {
   if (!scale.has_value()) return nullptr;
@@ -88,6 +96,17 @@ const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind
   TORCH_CHECK(s.device() == x.device(), "torchcast.cast_with_stats: scale is on ", s.device(),
               " but x is on ", x.device(), "; move scale to x's device (it is read there, never "
               "on the host)");
+  // A zero, negative or non-finite scale loses every element while the
+  // measured errors read as zero (y / 0 is not x's error). A zero scale is
+  // what delayed scaling makes from an inf in its amax history. On the CPU
+  // the value is read here; elsewhere the check is queued on the device
+  // (no host synchronization) and a bad scale fails at the next one.
+  if (s.is_cpu()) {
+    const float v = *s.const_data_ptr<float>();
+    TORCH_CHECK_VALUE(v > 0.f && std::isfinite(v), kBadScale, "; got scale = ", v);
+  } else {
+    at::_assert_async(at::isfinite(s).logical_and_(s.gt(0)), kBadScale);
+  }
   return s.const_data_ptr<float>();
 }
 

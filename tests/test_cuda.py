@@ -7,6 +7,9 @@ for bit against the CPU op) live in test_cast.py, test_reduce.py and
 test_adam.py, parametrized over the device fixture of conftest.py.
 
 Every test here needs a GPU and is skipped, with that reason, without one."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -147,6 +150,28 @@ def test_cuda_graph_capture():
         x.copy_(data)
         graph.replay()
         assert_same(op(data, torch.float16), (y, stats), data.dtype)
+
+
+def test_scale_check_does_not_sync_and_fails_on_the_device():
+    # A good scale passes without a host synchronization; a zero one fails
+    # at the next one, as a device-side assertion, which ends the CUDA
+    # context: so in a child process.
+    x = sample(65536, torch.float32, seed=31).cuda()
+    scale = torch.tensor(2.0 ** 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        op(x, torch.float8_e4m3fn, scale)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "import torch, torchcast\n"
+         "x = torch.ones(10, device='cuda')\n"
+         "torchcast.cast_with_stats(x, torch.float16, scale=torch.zeros((), device='cuda'))\n"
+         "torch.cuda.synchronize()\n"],
+        capture_output=True, text=True, timeout=300)
+    assert child.returncode != 0 and "assert" in (child.stderr + child.stdout).lower()
 
 
 # ---------------------------------------------------------------------------

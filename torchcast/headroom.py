@@ -24,8 +24,10 @@ emax its normal exponents:
 
 A scale that is not a power of two moves elements across binade boundaries
 at points the histogram does not keep, so only power-of-two scales are
-accepted; ``scale="amax"`` is the largest power of two that keeps the
-tensor's amax finite (what MX formats and torchao's power-of-two option use).
+accepted; ``scale="amax"`` is the scale ``safe_to(..., scale="amax_pow2")``
+would use: the largest power of two ``s`` with ``amax * s`` at most the
+format's largest finite value (torchao's power-of-two rounding of
+``max / amax``; ``torchcast.scaling.scale_for_amax`` has the rule).
 """
 import dataclasses
 import math
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from ._reference.health import format_exponents
+from .scaling import scale_for_amax
 
 FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 # health.py's histogram columns: 0: f == 0; 1 + min(L, 11) for the number L
@@ -79,18 +82,13 @@ def _format(dtype):
 
 
 def power_of_two_scale(amax: float, dtype: torch.dtype) -> float:
-    """The largest power of two s with amax * s <= dtype's largest finite
-    value (1.0 when amax is 0 or not finite)."""
-    if not (amax > 0 and math.isfinite(amax)):
-        return 1.0
-    *_, top = _format(dtype)
-    mant, e = math.frexp(top / amax)  # top / amax = mant * 2^e, mant in [0.5, 1)
-    k = e - 1
-    while amax * 2.0 ** (k + 1) <= top:  # frexp of a rounded quotient may be one short
-        k += 1
-    while amax * 2.0 ** k > top:
-        k -= 1
-    return 2.0 ** k
+    """The power-of-two scale ``safe_to(..., scale="amax_pow2")`` would use
+    for this amax: the largest power of two ``s <= 2^127`` with
+    ``max(amax, 1e-12) * s <= dtype's largest finite value``
+    (``torchcast.scaling.scale_for_amax``, the one home of the rule)."""
+    _format(dtype)
+    amax_t = torch.tensor(amax, dtype=torch.float64)
+    return float(scale_for_amax(amax_t, dtype, power_of_two=True))
 
 
 def headroom(health, dtype: torch.dtype, scale: Union[None, float, str] = None) -> Headroom:
@@ -101,8 +99,9 @@ def headroom(health, dtype: torch.dtype, scale: Union[None, float, str] = None) 
         health: a ``torchcast.TensorHealth`` (one tensor's, or merged).
         dtype: torch.float16, torch.bfloat16, torch.float8_e4m3fn or
             torch.float8_e5m2.
-        scale: None (1), a power of two, or "amax": the largest power of two
-            that keeps ``health.amax`` finite in ``dtype``.
+        scale: None (1), a power of two, or "amax": the power of two
+            ``safe_to(..., scale="amax_pow2")`` would use, the largest with
+            ``health.amax * scale <= finfo(dtype).max``.
 
     Returns:
         A Headroom with the counts.

@@ -6,6 +6,8 @@ odd in float32, then to nearest even) and the same statistics, including the
 sums (plain float64 on the CPU; on CUDA compensated float32, or plain float64
 for float64 sources), which it reduces in the canonical order described in
 csrc/numerics.h (order.py)."""
+import math
+
 import torch
 
 from ..stats import STAT_FIELDS
@@ -172,9 +174,28 @@ def check_scale(x, dtype, kind, scale):
             "move scale to x's device (it is read there, never on the host)")
 
 
+BAD_SCALE = ("torchcast.cast_with_stats: scale must be positive and finite (x * scale is cast, "
+             "y / scale is read back); a zero or inf scale comes from an inf or zero amax (e.g. "
+             "in a delayed-scaling history): recompute it with "
+             "torchcast.scaling.amax_scale(x, dtype), or skip this cast")
+
+
+def check_scale_value(scale):
+    """The value check of csrc/cast_common.cpp's scale_data: read on the CPU,
+    queued on the device elsewhere (no host synchronization)."""
+    if scale.device.type == "cpu":
+        v = scale.item()
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{BAD_SCALE}; got scale = {v:g}")
+    else:
+        torch._assert_async(torch.isfinite(scale).logical_and_(scale > 0).reshape(()), BAD_SCALE)
+
+
 def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     kind = classify_cast(x.dtype, dtype)
     check_scale(x, dtype, kind, scale)
+    if scale is not None:
+        check_scale_value(scale)
     if out is not None:
         check_out(x, dtype, out)
     y = torch.empty_like(x, dtype=dtype) if out is None else out
