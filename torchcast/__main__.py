@@ -7,8 +7,7 @@ from . import cli
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: python -m torchcast demo\n"
-             "       python -m torchcast track [--json FILE] [--policy P] [--violations KINDS] "
-             "[--top N] SCRIPT.py [ARGS...]\n"
+             f"       {cli.usage()}\n"
              "       (audit: another name for track)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)

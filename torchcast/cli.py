@@ -1,12 +1,16 @@
 """``python -m torchcast track [--json FILE] [--html FILE] [--policy P]
-[--violations KINDS] [--nonfinite ACTION] [--health] [--top N] SCRIPT.py [ARGS...]``: runs a script, unmodified, under ``torchcast.track(all_casts=True)`` and
-prints the report (to stderr) when the script ends, also when it raises or
-calls sys.exit. The exit code is the script's (1 if it raised). ``audit`` is
-another name for the same command."""
+[--violations KINDS] [--nonfinite ACTION] [--health] [--top N] SCRIPT.py
+[ARGS...]``: runs a script, unmodified, under
+``torchcast.track(all_casts=True)`` and prints the report (to stderr) when
+the script ends, also when it raises or calls sys.exit. The exit code is the
+script's (1 if it raised; 2, before it runs, for a missing script or an
+output file that cannot be written). ``audit`` is another name for the same
+command."""
 import argparse
 import os
 import runpy
 import sys
+import tempfile
 import traceback
 from typing import List, Optional
 
@@ -16,6 +20,17 @@ from .tracker import track
 from .violations import DEFAULT, KINDS, Violations
 
 COMMANDS = ("track", "audit")
+PROG = "python -m torchcast track"
+
+
+def usage() -> str:
+    """The track command's usage without "usage: " (``python -m torchcast
+    --help`` shows it after 7 spaces): built from the parser, so that it
+    names every option; continuation lines are indented to follow it."""
+    parser = build_parser()
+    # 100 columns whatever the terminal's width.
+    parser.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=100)
+    return parser.format_usage()[len("usage: "):].rstrip()
 
 
 def _violations(spec):
@@ -25,9 +40,48 @@ def _violations(spec):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _top(text):
+    """--top: a count of sites, 0 for the summary lines alone."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of sites >= 0 (0: only the summary "
+                                         f"lines), got {text!r}")
+    return n
+
+
+def _check_writable(parser, option, path):
+    """Exits with argparse's error unless ``path`` can be written: checked
+    before the script runs, so that a typo does not cost the whole run. The
+    file itself is neither created nor truncated (a probe file is made and
+    removed beside it: that is what permissions, read-only file systems
+    and ACLs all answer to)."""
+    if path is None:
+        return
+    real = os.path.realpath(path)
+    directory = os.path.dirname(real)
+    if os.path.isdir(real):
+        parser.error(f"{option} {path}: is a directory; name a file in it, e.g. "
+                     f"{os.path.join(path, 'report.' + option[2:])}")
+    if os.path.exists(real) and not os.access(real, os.W_OK):
+        parser.error(f"{option} {path}: the file exists and is not writable; make it writable "
+                     "or name another file")
+    if not os.path.isdir(directory):
+        parser.error(f"{option} {path}: no such directory {directory}; create it first or "
+                     "name a file in an existing directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".torchcast-probe-"):
+            pass
+    except OSError as e:
+        parser.error(f"{option} {path}: cannot write in {directory} ({e.strerror}); name a file "
+                     "in a writable directory")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m torchcast track",
+        prog=PROG,
         description="Run a Python script under torchcast.track(all_casts=True): every cast "
                     "PyTorch performs is measured, attributed to its module and line, and "
                     "reported when the script ends. Options go before SCRIPT; everything "
@@ -41,16 +95,20 @@ def build_parser():
                              "site, or raise at the first one")
     parser.add_argument("--violations", metavar="KINDS", default=DEFAULT, type=_violations,
                         help="which losses are violations, each with the fraction of a cast's "
-                             f"elements above which it counts (default {DEFAULT!r}; 'all'; "
+                             # argparse %-formats help: the default's "1%" must be "1%%".
+                             f"elements above which it counts (default "
+                             f"{DEFAULT.replace('%', '%%')!r}; 'all'; "
                              f"kinds: {', '.join(KINDS)}; e.g. 'overflow,nan,subnormal>1%%')")
     parser.add_argument("--nonfinite", choices=("record", "warn", "raise"),
                         help="also check every op for NaN/inf made from finite inputs: list "
                              "each such op, warn once per place, or stop at the first one")
     parser.add_argument("--health", action="store_true",
                         help="also measure each module's outputs and gradients (exponent "
-                             "histograms, amax, zeros, subnormals) and print their headroom")
-    parser.add_argument("--top", type=int, metavar="N",
-                        help="print only the N worst sites")
+                             "histograms, amax, zeros, subnormals) and print their headroom: what "
+                             "a cast to float16, bfloat16, float8_e4m3fn and float8_e5m2 would "
+                             "lose, at scale 1 and at a power-of-two amax scale")
+    parser.add_argument("--top", type=_top, metavar="N",
+                        help="print only the N worst sites (0: only the summary lines)")
     parser.add_argument("script", metavar="SCRIPT.py")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS")
     return parser
@@ -99,7 +157,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv = sys.argv[1:]
         if argv[:1] and argv[0] in COMMANDS:
             argv = argv[1:]
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    _check_writable(parser, "--json", opts.json)
+    _check_writable(parser, "--html", opts.html)
     if not os.path.isfile(opts.script):
         print(f"python -m torchcast track: no such script: {opts.script}", file=sys.stderr)
         return 2
@@ -122,9 +183,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     print(report.table(limit=opts.top), file=sys.stderr)
+    if opts.health:
+        print(report.headroom_summary(), file=sys.stderr)
     if opts.json:
-        with open(opts.json, "w") as f:
-            f.write(report.to_json(indent=1))
+        # Serialized, then written atomically: a failure leaves no empty file.
+        report.write_json(opts.json, indent=1)
         print(f"torchcast: report written to {opts.json}", file=sys.stderr)
     if opts.html:
         report.to_html(opts.html)

@@ -127,7 +127,9 @@ class Violations:
 
     def __str__(self) -> str:
         """The specification, in the string form that parses back to it."""
-        terms = [k if t == 0 else f"{k}>{t:g}" for k, t in self.thresholds.items()]
+        # repr: the shortest decimal that reads back to the same float. "%g"
+        # wrote 0.9999999 as "underflow>1", which does not parse back.
+        terms = [k if t == 0 else f"{k}>{t!r}" for k, t in self.thresholds.items()]
         return ",".join(terms) or "none"
 
     def _counts(self, kind, count, numel):

@@ -265,6 +265,41 @@ def headroom_table(watch: HealthWatch, dtype: torch.dtype,
     return HeadroomTable(dtype, scale, rows)
 
 
+def _lost(h: Headroom) -> str:
+    return f"{_percent(h.overflow_fraction)}/{_percent(h.underflow_fraction)}"
+
+
+def headroom_lines(watch: HealthWatch) -> List[str]:
+    """``Report.headroom_summary``: one row per entry of ``watch``, one
+    column per format of FORMATS (``headroom_table`` gives one format's
+    full table, subnormals included)."""
+    rows = watch.rows()
+    head = (f"torchcast headroom of {len(rows)} module outputs and gradients (worst first): the "
+            "% of elements a cast to each format loses\nto overflow/underflow at scale 1, and "
+            "where it loses any, at the entry's power-of-two amax scale (2^k: overflow/underflow)")
+    table = [("module", "phase", "dtype", "elements", *(short_dtype_name(f) for f in FORMATS))]
+    lossless = 0
+    for r in rows:
+        health = r.health.cpu()  # one transfer for the 8 predictions
+        cells = []
+        for fmt in FORMATS:
+            plain = headroom(health, fmt)
+            cell = _lost(plain)
+            if plain.overflow or plain.underflow:
+                scaled = headroom(health, fmt, "amax")
+                cell += f", 2^{int(math.log2(scaled.scale))}: {_lost(scaled)}"
+            cells.append(cell)
+        if all(c == "0/0" for c in cells):
+            lossless += 1  # a table of only "0/0" rows says less than their count
+            continue
+        table.append((r.module or "-", r.phase, short_dtype_name(r.dtype),
+                      str(health.numel), *cells))
+    lines = _format_table(head, table, left=3).split("\n") if len(table) > 1 else [head]
+    if lossless:
+        lines.append(f"... {lossless} more lose nothing in any format at scale 1")
+    return lines
+
+
 def health_lines(watch: HealthWatch) -> List[str]:
     """The report table's section on module health, worst first."""
     rows = watch.rows()
@@ -285,4 +320,4 @@ def health_lines(watch: HealthWatch) -> List[str]:
 
 
 __all__ = ["FORMATS", "HealthWatch", "HeadroomRow", "HeadroomTable", "ModuleHealth",
-           "headroom_table", "health_lines"]
+           "headroom_lines", "headroom_table", "health_lines"]

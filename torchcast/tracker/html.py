@@ -50,9 +50,18 @@ def _short(dtype: Optional[str]) -> str:
     return (dtype or "-").replace("torch.", "")
 
 
-def _number(x: Optional[float]) -> str:
+def _float(x: Any) -> float:
+    """A float field of to_dict(): a number, or "inf"/"-inf"/"nan" (strict
+    JSON has no inf/NaN), which float() reads."""
+    return float(x)
+
+
+def _number(x: Any) -> str:
+    """A number as the page shows it: inf as "inf", None as "-"."""
     if x is None:
         return "-"
+    if isinstance(x, str):
+        x = _float(x)
     if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) < 1e15):
         return str(int(x))
     return f"{x:.3g}"
@@ -153,7 +162,7 @@ def _histogram_svg(entry: Dict[str, Any], lo: int, hi: int) -> str:
         h = scale(nonfinite)
         parts.append(f'<rect class="bar nonfinite" x="{width - 8}" y="{bar_h - h:.1f}" width="6" '
                      f'height="{h:.1f}"><title>NaN/inf: {nonfinite}</title></rect>')
-    amax = entry.get("amax") or 0.0
+    amax = _float(entry.get("amax") or 0.0)
     if amax > 0 and math.isfinite(amax):
         xa = x_of(min(max(math.frexp(amax)[1] - 1, lo), hi)) + step
         parts.append(f'<line class="amax" x1="{xa:.1f}" y1="0" x2="{xa:.1f}" y2="{bar_h}">'
@@ -223,20 +232,28 @@ def _health(data: Dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _scale(scale: Any) -> str:
+    """A power-of-two scale as 2^k (a non-finite one as it is)."""
+    scale = _float(scale)
+    return f"2^{int(math.log2(scale))}" if math.isfinite(scale) and scale > 0 else str(scale)
+
+
 def _headroom(data: Dict[str, Any]) -> str:
     rows = data.get("headroom")
     if not rows:
         return ""
-    pct = lambda x: "0" if x == 0 else f"{100 * x:.3g}%"  # noqa: E731
-    ordered = sorted(rows, key=lambda r: (-r["overflow"], -r["underflow"], -r["subnormal"]))
+    pct = lambda x: "0" if x == 0 else f"{100 * _float(x):.3g}%"  # noqa: E731
+    ordered = sorted(rows, key=lambda r: (-_float(r["overflow"]), -_float(r["underflow"]),
+                                          -_float(r["subnormal"])))
     header = ["module", "phase", "format", "scale", "overflow", "underflow to 0", "subnormal"]
 
     def body(rows):
         return [[_e(r.get("module") or "-"), _e(r["phase"]), _e(_short(r["format"])),
-                 _e(f"2^{int(math.log2(r['scale']))}"), _e(pct(r["overflow"])),
+                 _e(_scale(r["scale"])), _e(pct(r["overflow"])),
                  _e(pct(r["underflow"])), _e(pct(r["subnormal"]))] for r in rows]
 
-    lossy = [r for r in ordered if r["overflow"] or r["underflow"] or r["subnormal"]]
+    lossy = [r for r in ordered if _float(r["overflow"]) or _float(r["underflow"])
+             or _float(r["subnormal"])]
     lossless = ordered[len(lossy):]
     page = ("<h2>Headroom: what a cast would do (exact, from the histograms)</h2>"
             '<p class="note">Scale 2^0: the values as they are; the other scale is the largest '

@@ -4,6 +4,8 @@ ranks. Until read, a site's stats stay tensors on the cast's device."""
 import dataclasses
 import json
 import math
+import os
+import secrets
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -13,7 +15,7 @@ from ..stats import (STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensor
                      short_dtype_name)
 from ..violations import Violations, ViolationsSpec
 from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHealth,
-                     headroom_table, health_lines)
+                     headroom_lines, headroom_table, health_lines)
 from .html import render_html
 from .nonfinite import NonFiniteWatch
 from .nonfinite_origin import NonFiniteOrigin
@@ -26,6 +28,47 @@ SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.
                 Optional[str]]
 
 _LOSS_COLUMNS = ("inexact", "nan", "overflow", "saturated", "underflow", "subnormal")
+
+# Strict JSON has no inf or NaN, yet they are what a report exists for (a
+# cast whose every element overflowed, an op's infinite input): a float field
+# of to_dict() holds a number or one of these strings, which any JSON parser
+# reads and float() turns back into the float.
+NONFINITE_STRINGS = ("inf", "-inf", "nan")
+
+
+def json_float(value: Any) -> Any:
+    """``value`` with every non-finite float in it (inside dicts and lists
+    too) as "inf", "-inf" or "nan"; anything else unchanged.
+
+    Args:
+        value: a JSON-ready value (dicts, lists, numbers, strings, None).
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # Python never writes "-nan"
+    if isinstance(value, dict):
+        return {k: json_float(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_float(v) for v in value]
+    return value
+
+
+def float_from_json(value: Any, field: str) -> Any:
+    """The float a to_dict() float field holds: a number (or None) as it
+    is, "inf"/"-inf"/"nan" as the float.
+
+    Args:
+        value: the field's value.
+        field: its name, for the error.
+
+    Raises:
+        ValueError: a string other than those three.
+    """
+    if isinstance(value, str):
+        if value not in NONFINITE_STRINGS:
+            raise ValueError(f"torchcast.Report.from_dict: {field} must be a number or one of "
+                             f"{', '.join(map(repr, NONFINITE_STRINGS))}, got {value!r}")
+        return float(value)
+    return value
 
 
 def _phrase_kind(phrase):
@@ -109,17 +152,14 @@ class Record:
         return Violations(kinds).notes(self.stats if self.measured else None)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The record as JSON-ready values (dtypes as strings, an infinite
-        or NaN ``sqnr_db`` as None, other infinite stats, such as the maxima
-        of casts that all overflowed, as the strings "inf"/"nan" that
-        ``float()`` reads back: strict JSON has no inf/NaN)."""
+        """The record as JSON-ready values: dtypes as strings, non-finite
+        stats (the maxima of a cast that all overflowed, an infinite or NaN
+        ``sqnr_db``) as the strings "inf", "-inf" or "nan" (``json_float``),
+        which ``float()`` reads back."""
         stats = self.stats.to_dict()
         for name in ("src_dtype", "dtype"):
             stats.pop(name)
-        sqnr = stats.pop("sqnr_db")
-        stats = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v)
-                 for k, v in stats.items()}
-        stats["sqnr_db"] = sqnr if math.isfinite(sqnr) else None
+        stats = json_float(stats)
         return {
             "site": self.site, "module": self.module, "file": self.file, "line": self.line,
             "via": self.via, "origin": self.origin, "name": self.name,
@@ -298,6 +338,22 @@ class Report:
                                "record it with torchcast.track(health=True)")
         return headroom_table(self.health_watch, dtype, scale)
 
+    def headroom_summary(self) -> str:
+        """Every module entry's headroom in every format, as one compact
+        table (what ``python -m torchcast track --health`` prints): per
+        format, the elements a cast loses to overflow and to underflow at
+        scale 1, and where it loses any, at the entry's power-of-two amax
+        scale; entries that lose nothing anywhere are counted, not listed.
+        ``headroom(dtype, scale)`` gives one format's full table.
+
+        Returns:
+            The table's text.
+        """
+        if self.health_watch is None:
+            raise RuntimeError("torchcast.Report.headroom_summary: this report has no module "
+                               "health; record it with torchcast.track(health=True)")
+        return "\n".join(headroom_lines(self.health_watch))
+
     def __len__(self) -> int:
         return len(self._sites)
 
@@ -369,6 +425,10 @@ class Report:
         Returns:
             {"format", "version", "rtol", "atol", "violations", "records":
             [Record.to_dict()]}; each record also lists its "violations".
+            With non-finite tracking, "nonfinite" (the origins) and
+            "propagated"; with health, "health" and "headroom" rows. Every
+            non-finite float is the string "inf", "-inf" or "nan" (see
+            ``to_json``).
         """
         records = []
         for r in self.records:
@@ -387,15 +447,36 @@ class Report:
             data["headroom"] = [
                 HeadroomRow(r.module, r.phase, r.dtype, r.headroom(fmt, scale)).to_dict()
                 for r in rows for fmt in FORMATS for scale in (None, "amax")]
-        return data
+        # The records' stats are encoded already; this covers rtol/atol, the
+        # origins' input amax, the health extrema and any float added later.
+        return json_float(data)
 
     def to_json(self, **kwargs: Any) -> str:
-        """``to_dict()`` as strict JSON.
+        """``to_dict()`` as strict JSON (RFC 8259), which any JSON parser
+        reads without options.
+
+        Strict JSON has no inf or NaN, and they are this report's data (a
+        cast whose every element overflowed has an infinite max rel err; an
+        origin's input may hold inf): every float field holds either a
+        number or one of the strings "inf", "-inf", "nan", which
+        ``float()`` turns back into the float and ``from_json`` reads back
+        as floats. One exception, older than this rule: a health row's
+        "min_nonzero" is null when no element is nonzero (the float is inf).
 
         Args:
             **kwargs: passed to json.dumps (e.g. ``indent``).
         """
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
+
+    def write_json(self, path: str, **kwargs: Any) -> None:
+        """Writes ``to_json()`` to ``path``, atomically: the text is made
+        first, so a failure leaves no empty or partial file.
+
+        Args:
+            path: the file to write (replaced if it exists).
+            **kwargs: passed to json.dumps (e.g. ``indent``).
+        """
+        write_text(path, self.to_json(**kwargs))
 
     def to_html(self, path: str) -> None:
         """Writes the report as one self-contained HTML page (inline CSS and
@@ -403,10 +484,10 @@ class Report:
         each module's exponent histogram over the formats' windows, headroom.
 
         Args:
-            path: the file to write.
+            path: the file to write (atomically: the page is rendered first,
+                so a failure leaves no empty or partial file).
         """
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(render_html(self.to_dict()))
+        write_text(path, render_html(self.to_dict()))
 
     def to_tensorboard(self, writer: Any, step: int, prefix: str = "torchcast") -> None:
         """Writes the report's figures as scalars and histograms at ``step``
@@ -433,16 +514,21 @@ class Report:
         if data.get("format") != "torchcast.track.Report":
             raise ValueError("torchcast.Report.from_dict: not a torchcast.track report "
                              f"(format={data.get('format')!r})")
-        report = cls(data.get("rtol"), data.get("atol"), data.get("violations"))
+        report = cls(float_from_json(data.get("rtol"), "rtol"),
+                     float_from_json(data.get("atol"), "atol"), data.get("violations"))
         report.merge_records(data["records"])
         if "nonfinite" in data:
             watch = report.nonfinite_watch = NonFiniteWatch("record")
             watch.propagated = data.get("propagated", 0)
             for d in data["nonfinite"]:
+                d = dict(d, inputs=[dict(i, amax=float_from_json(i["amax"], "an input's amax"))
+                                    for i in d["inputs"]])
                 origin = NonFiniteOrigin.from_dict(d)
                 watch.origins[origin.key] = origin
         if "health" in data:
-            report.health_watch = HealthWatch.from_dicts(data["health"])
+            rows = [dict(d, **{k: float_from_json(d[k], f"a health row's {k}")
+                               for k in ("amax", "min_nonzero")}) for d in data["health"]]
+            report.health_watch = HealthWatch.from_dicts(rows)
         return report
 
     @classmethod
@@ -472,6 +558,7 @@ class Report:
         for r in records:
             key = (r["module"], r["file"], r["line"], r["origin"], r["name"],
                    dtype_from_name(r["src_dtype"]), dtype_from_name(r["dtype"]), r.get("via"))
+            # float() reads the strings "inf", "-inf" and "nan" of non-finite stats.
             stats = torch.tensor([float(r["stats"][f]) for f in STAT_FIELDS], dtype=torch.float64)
             merge_into(self, key, stats, measured=r["measured"], calls=r["calls"],
                        graph_cuts=r["graph_cuts"], imag=r["imag_dropped"],
@@ -546,6 +633,28 @@ def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, m
             site.buf.append(stats)
             if len(site.buf) >= _Site.COLLAPSE:
                 site.buf = [site.merged()]
+
+
+def write_text(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically: into a new file beside it,
+    then renamed over it, so that a reader (or a crash) never sees an empty
+    or partial report. The new file gets the mode ``open()`` would give.
+
+    Args:
+        path: the file to write (a symlink is written through).
+        text: the contents (UTF-8).
+    """
+    path = os.path.realpath(path)
+    tmp = os.path.join(os.path.dirname(path),
+                       f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _to_host(values: List[Optional[Count]]) -> list:

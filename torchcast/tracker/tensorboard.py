@@ -5,8 +5,8 @@ SummaryWriter; nothing is imported here), from ``Report.to_dict()``'s values.
 
 Tags (under ``prefix``): ``nonfinite/origins``, ``nonfinite/propagated``;
 ``cast/<site>/<stat>`` per cast site (fractions of its elements, max rel
-err, SQNR where finite); ``health/<module>/<phase>/<stat>`` (amax, fractions
-of zero, subnormal and non-finite elements) and the histogram
+err, SQNR; inf and NaN are written as such); ``health/<module>/<phase>/<stat>``
+(amax, fractions of zero, subnormal and non-finite elements) and the histogram
 ``health/<module>/<phase>/log2_abs`` (elements by binade);
 ``headroom/<module>/<phase>/<dtype>/<format>/<scale>/<kind>``.
 """
@@ -18,6 +18,13 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_./-]+")
 # add_histogram (without the raw form) takes values: a binade of n elements
 # becomes min(n, this) copies of its midpoint, counts scaled alike.
 MAX_HISTOGRAM_VALUES = 100_000
+
+
+def _float(x: Any) -> float:
+    """A float field of to_dict(): a number, or "inf"/"-inf"/"nan" (strict
+    JSON has no inf/NaN), which float() reads. Non-finite values are data:
+    they are written (TensorBoard marks them on the chart), not skipped."""
+    return float(x)
 
 
 def _tag(*parts: Any) -> str:
@@ -67,21 +74,21 @@ def write_tensorboard(data: Dict[str, Any], writer: Any, step: int,
         site = _tag(prefix, "cast", r["site"], r["origin"])
         for k in ("overflow", "underflow", "nan", "subnormal"):
             writer.add_scalar(f"{site}/{k}_fraction", s[k] / n, step)
-        if math.isfinite(s["max_rel_err"]):
-            writer.add_scalar(f"{site}/max_rel_err", s["max_rel_err"], step)
-        if s.get("sqnr_db") is not None:
-            writer.add_scalar(f"{site}/sqnr_db", s["sqnr_db"], step)
+        writer.add_scalar(f"{site}/max_rel_err", _float(s["max_rel_err"]), step)
+        if s.get("sqnr_db") is not None:  # None in reports written before "inf" strings
+            writer.add_scalar(f"{site}/sqnr_db", _float(s["sqnr_db"]), step)
     for h in data.get("health", []):
         base = _tag(prefix, "health", h["module"] or "-", h["phase"], h["dtype"])
         n = max(h["numel"], 1)
-        writer.add_scalar(f"{base}/amax", h["amax"], step)
+        writer.add_scalar(f"{base}/amax", _float(h["amax"]), step)
         writer.add_scalar(f"{base}/zero_fraction", h["zero"] / n, step)
         writer.add_scalar(f"{base}/subnormal_fraction", h["subnormal"] / n, step)
         writer.add_scalar(f"{base}/nonfinite_fraction",
                           (h["nan"] + h["posinf"] + h["neginf"]) / n, step)
         _histogram(writer, f"{base}/log2_abs", h["binades"], h["hist"], step)
     for r in data.get("headroom", []):
+        scale = _float(r["scale"])
         base = _tag(prefix, "headroom", r["module"] or "-", r["phase"], r["src_dtype"], r["format"],
-                    f"2^{int(math.log2(r['scale']))}")
+                    f"2^{int(math.log2(scale))}" if math.isfinite(scale) and scale > 0 else scale)
         for k in ("overflow", "underflow", "subnormal"):
-            writer.add_scalar(f"{base}/{k}", r[k], step)
+            writer.add_scalar(f"{base}/{k}", _float(r[k]), step)
