@@ -252,7 +252,16 @@ PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
   Py_RETURN_NONE;
 }
 
+PyObject* install_tracker_kernels(PyObject*, PyObject*) {
+  torchcast::install_program_casts();
+  torchcast::install_thread_casts();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"install_tracker_kernels", install_tracker_kernels, METH_NOARGS,
+     "Registers the tracker's kernels on aten::_to_copy (csrc/program_casts.cpp, "
+     "csrc/thread_casts.cpp), once per process; importing torchcast registers none."},
     {"in_program_cast", in_program_cast, METH_NOARGS,
      "Whether this thread is inside a cast the program asked for under autocast "
      "(csrc/program_casts.cpp)."},
@@ -292,10 +301,11 @@ PyMethodDef methods[] = {
 }  // namespace
 
 extern "C" {
-// Importing torchcast._C runs the static registrations of every file; the
-// module itself holds constants and the tracker's switches (in_program_cast,
-// set_cast_callback, set_thread_tracked). with_cuda: whether the CUDA kernels
-// were built (and so registered).
+// Importing torchcast._C runs the static registrations of every file (on
+// torchcast's own ops only; the tracker's kernels on aten wait for
+// install_tracker_kernels); the module itself holds constants and the
+// tracker's switches (in_program_cast, set_cast_callback, set_thread_tracked).
+// with_cuda: whether the CUDA kernels were built (and so registered).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);

@@ -6,12 +6,16 @@
 // two apart (torch.is_autocast_enabled() is always False in a dispatch
 // handler).
 //
-// Registered once, when torchcast._C is imported, and never removed:
-// registering and destroying a kernel while other threads dispatch through
-// it crashes them. With no tracker active it costs one thread-local
-// increment per cast made under autocast.
+// Registered by the first torchcast.track() (install_program_casts), not at
+// import: importing torchcast leaves aten's dispatch as it was. Never
+// removed: destroying a kernel while other threads dispatch through it
+// crashes them. Once installed, with no tracker active, it costs one
+// thread-local increment per cast made under autocast.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <memory>
+#include <vector>
 
 #include "program_casts.h"
 
@@ -36,9 +40,20 @@ at::Tensor program_to_copy(c10::DispatchKeySet keys, const at::Tensor& self,
 
 bool in_program_cast() { return program_cast_depth != 0; }
 
-TORCH_LIBRARY_IMPL(aten, AutocastCPU, m) { m.impl("_to_copy", TORCH_FN(program_to_copy)); }
-TORCH_LIBRARY_IMPL(aten, AutocastCUDA, m) { m.impl("_to_copy", TORCH_FN(program_to_copy)); }
-TORCH_LIBRARY_IMPL(aten, AutocastXPU, m) { m.impl("_to_copy", TORCH_FN(program_to_copy)); }
-TORCH_LIBRARY_IMPL(aten, AutocastMPS, m) { m.impl("_to_copy", TORCH_FN(program_to_copy)); }
+void install_program_casts() {
+  // A function-local static: installed once, whichever thread comes first,
+  // and leaked on purpose (a Library's destructor deregisters its kernels).
+  static const auto* libraries = [] {
+    auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
+    for (const auto key : {c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA,
+                           c10::DispatchKey::AutocastXPU, c10::DispatchKey::AutocastMPS}) {
+      libs->push_back(std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key,
+                                                       __FILE__, __LINE__));
+      libs->back()->impl("_to_copy", TORCH_FN(program_to_copy));
+    }
+    return libs;
+  }();
+  (void)libraries;
+}
 
 }  // namespace torchcast

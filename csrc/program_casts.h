@@ -9,4 +9,8 @@ namespace torchcast {
 // excluded and never pass.
 bool in_program_cast();
 
+// Registers the kernel at aten::_to_copy's autocast keys, once per process;
+// later calls do nothing.
+void install_program_casts();
+
 }  // namespace torchcast

@@ -4,7 +4,8 @@
 // the casts of threads it has no dispatch mode in (threads started before or
 // inside the block, the autograd engine's device threads) through it.
 //
-// Registered once, at import, never removed (see program_casts.cpp for why).
+// Registered by the first torchcast.track() (install_thread_casts), never
+// removed (see program_casts.cpp for why).
 // With no callback set it costs one atomic load per cast. Threads that a
 // track's dispatch mode already covers (marked with set_thread_tracked, or
 // running under any dispatch mode) are left to the mode, and a cast the
@@ -16,6 +17,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <memory>
 
 #include "thread_casts.h"
 
@@ -78,6 +80,15 @@ void set_cast_callback(PyObject* callback) {
 
 void set_thread_tracked(bool tracked) { thread_tracked = tracked; }
 
-TORCH_LIBRARY_IMPL(aten, ADInplaceOrView, m) { m.impl("_to_copy", TORCH_FN(reported_to_copy)); }
+void install_thread_casts() {
+  // Installed once, leaked on purpose (see install_program_casts).
+  static const auto* library = [] {
+    auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::ADInplaceOrView,
+                                   __FILE__, __LINE__);
+    lib->impl("_to_copy", TORCH_FN(reported_to_copy));
+    return lib;
+  }();
+  (void)library;
+}
 
 }  // namespace torchcast

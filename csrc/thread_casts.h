@@ -15,4 +15,8 @@ void set_cast_callback(PyObject* callback);
 // mode's to record).
 void set_thread_tracked(bool tracked);
 
+// Registers the kernel at aten::_to_copy's ADInplaceOrView key, once per
+// process; later calls do nothing.
+void install_thread_casts();
+
 }  // namespace torchcast

@@ -21,6 +21,9 @@ WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
 # The tracker's kernels on aten::_to_copy (registered by the extension only: a
 # Python kernel there receives the wrapped Python numbers of expressions like
 # `t - 1` as ints, and cannot pass them on as the tensors they were).
+# install_tracker_kernels(): registers the two, once per process; the first
+# track() calls it, so that importing torchcast changes no aten dispatch.
+install_tracker_kernels = _C.install_tracker_kernels if WITH_EXTENSION else (lambda: None)
 # in_program_cast(): whether this thread is inside a cast the program asked
 # for while autocast is on (one that passed aten::_to_copy's autocast keys,
 # which autocast's own casts bypass): csrc/program_casts.cpp; always False

@@ -305,8 +305,8 @@ class _Installed:
     the first all_casts track and kept, so that every thread's autocast
     state stays known however tracks start and end around it. (The kernels
     that mark the program's casts under autocast and report other threads'
-    casts are registered once, at import: csrc/program_casts.cpp,
-    csrc/thread_casts.cpp.)"""
+    casts are registered by the first install(), never at import, and kept:
+    csrc/program_casts.cpp, csrc/thread_casts.cpp.)"""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -335,7 +335,9 @@ _installed = _Installed()
 
 def install(all_casts: bool) -> None:
     """Installs what a track() needs (module hooks; with ``all_casts`` the
-    autocast watch), shared by all active tracks."""
+    autocast watch), shared by all active tracks; the first one in the
+    process also registers the tracker's kernels on aten::_to_copy."""
+    _ops.install_tracker_kernels()
     _installed.acquire(all_casts)
 
 

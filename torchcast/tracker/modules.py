@@ -16,7 +16,7 @@ always False. So two facts are gathered outside it while tracking:
 - which casts the program asked for: a kernel for aten::_to_copy at the
   autocast keys, which only the program's casts pass through (autocast's own
   casts bypass its key), counts them (csrc/program_casts.cpp, registered
-  once at import and never removed).
+  by the first track and never removed).
 
 An unmarked cast while autocast is on is autocast's.
 """
