@@ -16,6 +16,13 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 # the plain tensors inside.
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
+
+def dense_strided(t: torch.Tensor) -> bool:
+    """Whether the kernels can read ``t`` as it is: strided and not nested
+    (a sparse, mkldnn or nested tensor is cast by PyTorch alone)."""
+    return t.layout is _STRIDED and not t.is_nested
+
+
 _LAYOUT_ADVICE = {
     torch.sparse_coo: "call .to_dense() first",
     torch.sparse_csr: "call .to_dense() first",

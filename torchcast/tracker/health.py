@@ -12,13 +12,14 @@ import collections
 import dataclasses
 import math
 import threading
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .._inputs import PLAIN_TENSOR_TYPES
+from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..headroom import FORMATS, Headroom, headroom
 from ..health import TensorHealth, tensor_health
 from ..stats import short_dtype_name
@@ -119,6 +120,9 @@ class HealthWatch:
         for t in tree_flatten(output)[0]:
             if type(t) not in PLAIN_TENSOR_TYPES or not t.is_floating_point() or t.numel() == 0:
                 continue
+            if not dense_strided(t):
+                _warn_not_measured(module, t)
+                continue
             last = self._last
             if last is not None and last[0]() is t and last[1] == t._version:
                 _, _, measured, hook = last
@@ -179,7 +183,24 @@ class _GradHook:
 
     def __call__(self, grad):
         if self.watch.active and grad is not None and grad.numel():
+            if not dense_strided(grad):
+                _warn_not_measured(self.modules[0], grad)
+                return
             self.watch.measure(self.modules, "backward", grad)
+
+
+_warned_layouts = set()
+
+
+def _warn_not_measured(module: Optional[str], t: torch.Tensor) -> None:
+    """Says once per layout that such tensors are left out of health rows:
+    tensor_health reads dense strided tensors."""
+    kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+    if kind not in _warned_layouts:
+        _warned_layouts.add(kind)
+        warnings.warn(f"torchcast.track(health=True): {module or 'the model'} passed a {kind} "
+                      f"tensor, which tensor_health cannot read; {kind} tensors are left out "
+                      "of the health rows (said once)", RuntimeWarning, stacklevel=2)
 
 
 def _binades_to_overflow(dtype: torch.dtype, amax: float) -> float:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .. import _ops
+from .._inputs import dense_strided
 from ..stats import STAT_FIELDS, PendingStats, merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -129,6 +130,12 @@ def measure_cast(src: torch.Tensor, dtype: torch.dtype, t: Optional[torch.Tensor
         (integer and bool sources, float -> integer casts that cut nothing).
     """
     s_dt = src.dtype
+    if not dense_strided(src):
+        # The kernels read dense strided tensors: a sparse or nested one is
+        # PyTorch's to cast, and its site says it was not measured.
+        if s_dt.is_floating_point and dtype.is_floating_point:
+            return MeasuredCast(s_dt, dtype, src.numel(), measured=False)
+        return None
     s_rank, d_rank = _RANK.get(s_dt), _RANK.get(dtype)
     if s_rank is None or d_rank is None:
         return _measure_other(src, dtype, t, grad_enabled)

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _ops
-from .._inputs import PLAIN_TENSOR_TYPES
+from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..stats import PendingStats
 from .diagnose import note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
@@ -185,7 +185,7 @@ def _same_result(src, kwargs):
     for name, value in kwargs.items():
         if name != "dtype" and not (name == "device" and value == src.device):
             return False
-    return src.is_floating_point() and src.is_contiguous()
+    return src.is_floating_point() and dense_strided(src) and src.is_contiguous()
 
 
 class CastPlace(NamedTuple):
