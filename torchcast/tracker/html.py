@@ -256,8 +256,9 @@ def _headroom(data: Dict[str, Any]) -> str:
              or _float(r["subnormal"])]
     lossless = ordered[len(lossy):]
     page = ("<h2>Headroom: what a cast would do (exact, from the histograms)</h2>"
-            '<p class="note">Scale 2^0: the values as they are; the other scale is the largest '
-            "power of two that keeps the entry's amax finite (per-tensor amax scaling).</p>")
+            '<p class="note">Scale 2^0: the values as they are; the other scale is the one '
+            "per-tensor amax scaling rounded to a power of two uses: the largest power of two "
+            "that maps the entry's amax to at most the format's largest value.</p>")
     if lossy:
         page += _table(header, body(lossy), left=3)
     if lossless:

@@ -327,8 +327,9 @@ class Report:
             dtype: torch.float16, torch.bfloat16, torch.float8_e4m3fn or
                 torch.float8_e5m2.
             scale: None (no scaling), a power of two, or "amax": per entry,
-                the largest power of two that keeps its amax finite
-                (per-tensor amax scaling, rounded down to a power of two).
+                the scale ``safe_to(..., scale="amax_pow2")`` would use, the
+                largest power of two s with ``amax * s <= finfo(dtype).max``
+                (docs/scaling.md).
 
         Returns:
             A HeadroomTable (``str()`` prints it, worst first; ``.rows``).
