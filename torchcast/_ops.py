@@ -134,16 +134,28 @@ _cast_entry = _C.cast_with_stats if WITH_EXTENSION else None
 
 def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
-    # First the C++ entry: it calls the op through the dispatcher as torch.ops
-    # does, without torch.ops' boxing of the arguments (about 2 µs, as much as
-    # a small cast). It declines (None) wherever __torch_function__ applies
-    # or x is on a device without compiled kernels; Dynamo cannot trace it.
-    if out is None and _cast_entry is not None and not torch.compiler.is_compiling():
-        result = _cast_entry(x, dtype, scale, saturate)
-        if result is not None:
-            return result
+    if out is None and not torch.compiler.is_compiling():
+        # torch.func refuses the op's C++ autograd Function (csrc/autograd.cpp)
+        # and the fallback's old-style one: under its transforms, a Python one.
+        if _functorch_active():
+            return _FunctorchCast.apply(x, dtype, scale, saturate)
+        # First the C++ entry: it calls the op through the dispatcher as
+        # torch.ops does, without torch.ops' boxing of the arguments (about
+        # 2 µs, as much as a small cast). It declines (None) wherever
+        # __torch_function__ applies or x is on a device without compiled
+        # kernels; Dynamo cannot trace it.
+        if _cast_entry is not None:
+            result = _cast_entry(x, dtype, scale, saturate)
+            if result is not None:
+                return result
+    return _cast(x, dtype, out, saturate, scale)
+
+
+def _cast(x, dtype, out, saturate, scale):
+    """cast_with_stats through torch.ops, or the fallback where no kernel exists."""
     if not has_kernel("cast_with_stats", device_type(x)):
-        _warn_fallback(x.device)
+        # 4: past this function and cast_with_stats, at the caller of the op wrapper.
+        _warn_fallback(x.device, stacklevel=4)
         if x.requires_grad and torch.is_grad_enabled() and out is None:
             y, stats = cast_reference.cast_with_stats(x.detach(), dtype, saturate=saturate,
                                                       scale=scale)
@@ -156,6 +168,47 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     if saturate is None:
         return _CAST(x, dtype) if scale is None else _CAST(x, dtype, scale)
     return _CAST(x, dtype, scale, saturate=saturate)
+
+
+# Whether a torch.func transform (grad, vmap, jvp, ...) is active: a C++ query,
+# about 10 ns.
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+class _FunctorchCast(torch.autograd.Function):
+    """cast_with_stats under torch.func transforms, with the derivative of
+    csrc/autograd.cpp: the identity, times scale for a scaled cast, in x's
+    dtype; none for the stats and the scale. vmap: torch's generated rule,
+    which runs the op once per example, as vmap does for the op itself (the
+    stats are per example)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, dtype, scale, saturate):
+        # Autograd is off here: the op's C++ autograd kernel passes straight
+        # to the kernels.
+        return _cast(x, dtype, None, saturate, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dtype, scale, _ = inputs
+        ctx.src_dtype, ctx.dtype = x.dtype, dtype
+        ctx.save_for_backward(scale)
+        ctx.save_for_forward(scale)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_stats):
+        scale, = ctx.saved_tensors
+        return cast_reference.cast_grad(grad_y, ctx.src_dtype, scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, _dtype, _scale_t, _saturate):
+        # scale's tangent is dropped, as backward gives scale no gradient.
+        scale, = ctx.saved_tensors
+        y_t = x_t if scale is None else x_t * scale.reshape(()).to(ctx.src_dtype)
+        return y_t.to(ctx.dtype), None
 
 
 class _FallbackCast(torch.autograd.Function):

@@ -147,11 +147,14 @@ def last_stats() -> Optional[CastStats]:
     are free.
 
     Returns:
-        CastStats or None: None before the thread's first ``safe_to``. Calls
-        traced by torch.compile leave no stats and do not count.
+        CastStats or None: None before the thread's first ``safe_to``, and
+        when that call cast a meta tensor (which has no values to measure).
+        Calls traced by torch.compile leave no stats and do not count.
     """
     pending = _local.last
-    return pending.value if pending is not None else None
+    if pending is None or pending.tensor is not None and pending.tensor.is_meta:
+        return None
+    return pending.value
 
 
 # Recorders: callables that every safe_to of this thread whose policy is not
@@ -445,6 +448,11 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     need the stats on the host); use ``torchcast.cast_with_stats`` to get
     the stats tensor out of a compiled region.
 
+    A meta tensor (a model built under ``torch.device("meta")``) has no
+    values: its cast returns the meta result under every policy, with no
+    loss checked or recorded, and ``last_stats()`` None; only a graph cut,
+    which needs no values, still warns or raises.
+
     Args:
         x (Tensor): a dense strided floating tensor, or a traceable wrapper
             subclass (``__tensor_flatten__``, such as DTensor) whose own
@@ -548,6 +556,11 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
     _local.last = pending
     if pol == "ignore":
         return y
+    # A meta tensor (a model being built) has no values: no loss to record or
+    # check, as track(all_casts=True) skips meta casts. Checked past "ignore",
+    # the path that must stay quickest.
+    if y.is_meta:
+        return y
     for record in recorders():
         record(pending, name)
     if pol in ("warn", "raise") and (pending.has_loss() or rtol is not None or atol is not None):
@@ -564,7 +577,8 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
     of what it lost, both computed in one pass on x's device, with no host
     synchronization and no policy. Traceable by torch.compile (fullgraph);
     under torch.vmap the stats are per example. Without ``out``, autograd
-    sees y as ``x.to(dtype)``.
+    sees y as ``x.to(dtype)``, and so do the torch.func transforms (grad,
+    vjp, jvp, jacrev, jacfwd, vmap).
 
     Args:
         x (Tensor): a dense strided float64, float32, float16, bfloat16,

@@ -6,8 +6,10 @@ scale: torchcast/headroom.py)."""
 from typing import Any, Dict, List, NamedTuple, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import _ops
+from ._inputs import check_input
 from ._reference.health import COLUMNS, binade_range
 from .stats import dtype_from_name
 
@@ -205,14 +207,41 @@ def tensor_health(x: torch.Tensor) -> TensorHealth:
     """Measures ``x`` in one pass, on its device, without a sync.
 
     Args:
-        x: a float64, float32, float16, bfloat16, float8_e4m3fn or
-            float8_e5m2 tensor (any shape and strides).
+        x: a dense strided float64, float32, float16, bfloat16,
+            float8_e4m3fn or float8_e5m2 tensor (any shape and strides), or a
+            traceable wrapper subclass (``__tensor_flatten__``: TwoTensor,
+            DTensor) whose own dispatch runs the op on its inner tensors:
+            their healths are merged, the health of everything it holds (for
+            a DTensor, this rank's shard).
 
     Returns:
         A TensorHealth (read its properties, or merge it with ``add_``).
+
+    Raises:
+        TypeError: x is not a Tensor, or a sparse, mkldnn, quantized or nested
+            tensor, or a ``__torch_dispatch__`` subclass without
+            ``__tensor_flatten__`` (the message says how to convert it); x's
+            dtype is not one listed above.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"torchcast.tensor_health: x must be a torch.Tensor, got {type(x).__name__}")
+    check_input(x, "torchcast.tensor_health")
     counts, hist, extrema = _ops.tensor_health(x)
+    if type(counts) is not torch.Tensor and is_traceable_wrapper_subclass(counts):
+        return _merged_inner(x.dtype, counts, hist, extrema)
     return TensorHealth(x.dtype, counts, hist, extrema)
+
+
+def _merged_inner(dtype, counts, hist, extrema):
+    """The health of everything a traceable wrapper subclass holds: its op
+    returns each output wrapped, one per inner tensor, and these merge (as
+    stats.plain_stats merges a cast's stats)."""
+    names, _ = counts.__tensor_flatten__()
+    inner = [[getattr(t, name) for t in (counts, hist, extrema)] for name in names]
+    return TensorHealth.merged([
+        _merged_inner(dtype, *parts) if is_traceable_wrapper_subclass(parts[0])
+        else TensorHealth(dtype, *parts) for parts in inner])
 
 
 __all__ = ["HealthValues", "TensorHealth", "tensor_health"]

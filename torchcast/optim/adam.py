@@ -123,6 +123,27 @@ def _check_differentiable_options(name, compensated, compensation, state_dtype):
                          "cannot be used with it (leave them at their defaults)")
 
 
+def _check_hyperparameter_types(where, lr, betas, eps, weight_decay):
+    """TypeError at construction for what the step refuses (_check_number)
+    and torch.optim.Adam does not say clearly: a bool lr, eps or
+    weight_decay, which torch takes as 0 or 1, and a value that is not a
+    number, which torch's range checks meet with "'<=' not supported".
+    ``where`` heads the message."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(f"{where}: betas must be a pair of floats or of 1-element tensors, "
+                        f"got {_what(betas)}")
+    for key, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]),
+                       ("eps", eps), ("weight_decay", weight_decay)):
+        # A bool beta is left to torch's range checks, which refuse it with
+        # torch's ValueError.
+        bool_refused = not key.startswith("betas")
+        if isinstance(value, torch.Tensor) or (
+                isinstance(value, (int, float)) and not (bool_refused and isinstance(value, bool))):
+            continue
+        raise TypeError(f"{where}: {key} must be a float or a 1-element tensor, got "
+                        f"{_what(value)}; pass a float")
+
+
 def _check_hyperparameters(lr, betas, eps, weight_decay):
     # torch.optim.Adam's checks and messages.
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -253,7 +274,10 @@ class Adam(Optimizer):
             on a float16 param).
         RuntimeError: ``capturable=True``, or ``fused`` with ``foreach`` or
             ``differentiable``.
-        TypeError: a param that is not floating point.
+        TypeError: a param that is not floating point; an lr, eps or
+            weight_decay that is a bool or not a number (torch.optim.Adam
+            takes a bool as 0 or 1, which the step here refuses), betas
+            that are not a pair, or a beta that is not a number.
     """
 
     # GradScaler passes grad_scale/found_inf and lets the step skip itself.
@@ -268,8 +292,11 @@ class Adam(Optimizer):
                  cast_grads: bool = False, decoupled_weight_decay: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
         name = type(self).__name__
+        if isinstance(betas, torch.Tensor) and betas.dim() == 1:
+            betas = tuple(betas)  # torch takes a 2-element tensor as two tensor betas
+        _check_hyperparameter_types(f"torchcast.optim.{name}", lr, betas, eps, weight_decay)
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         _check_foreach_tensors(lr, betas, foreach)
         if capturable:
             raise RuntimeError(f"torchcast.optim.{name} does not support capturable=True "
@@ -299,13 +326,19 @@ class Adam(Optimizer):
 
         Raises:
             TypeError, ValueError: a param does not fit the group's options
-                (see the class's Raises); the group is then not added.
+                (see the class's Raises), or an lr, betas, eps or
+                weight_decay of the group is not a number or 1-element tensor
+                (a bool included); the group is then not added.
         """
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
         try:
-            for i, p in enumerate(self.param_groups[gi]["params"]):
-                self._check_param(self.param_groups[gi], gi, i, p)
+            _check_hyperparameter_types(f"torchcast.optim.{type(self).__name__}: param group {gi}",
+                                        group["lr"], group["betas"], group["eps"],
+                                        group["weight_decay"])
+            for i, p in enumerate(group["params"]):
+                self._check_param(group, gi, i, p)
         except (TypeError, ValueError):
             self.param_groups.pop()  # as torch's own checks: a bad group is not added
             raise
@@ -810,25 +843,41 @@ class Adam(Optimizer):
         to bfloat16 training without losing its low bits. Params without
         compensation are just set. Runs under ``torch.no_grad()``.
 
+        Every weight, param and existing state is checked before anything is
+        written: a call that raises changes no param, state or step count.
+        Values are not read (as ``Tensor.copy_``, a non-finite weight is
+        copied as it is).
+
         Args:
             fp32_params (iterable of Tensor): one weight per param, in
-                param-group order, each of its param's shape, in a wider
-                floating dtype (float32 typically), on any device.
+                param-group order, each a dense floating tensor (complex for
+                a complex param) of its param's shape, in a wider floating
+                dtype (float32 typically), on any device; a DTensor for a
+                DTensor param, placed as it is.
 
         Raises:
             ValueError: not one weight per param, or a weight of another
-                shape than its param.
+                shape than its param (or, for a DTensor param, of another
+                local shape).
+            TypeError: a weight that is not a dense floating tensor, or real
+                for a complex param (or complex for a real one).
+            TypeError, ValueError: a param or existing state that ``step``
+                would refuse (its messages).
         """
         params = [(gi, i, p, group) for gi, group in enumerate(self.param_groups)
                   for i, p in enumerate(group["params"])]
         weights = list(fp32_params)
         if len(weights) != len(params):
-            raise ValueError(f"seed_compensation: {len(weights)} weights given for "
-                             f"{len(params)} params")
+            raise ValueError(f"torchcast.optim.{type(self).__name__}.seed_compensation: "
+                             f"{len(weights)} weights given for {len(params)} params; pass one "
+                             "per param, in param-group order; nothing was changed")
         for (gi, i, p, group), w in zip(params, weights):
-            if tuple(w.shape) != tuple(p.shape):
-                raise ValueError(f"seed_compensation: the weight for {_describe(gi, i, p)} has "
-                                 f"shape {tuple(w.shape)}")
+            self._check_seed_weight(gi, i, p, w)
+            self._check_param(group, gi, i, p)
+            state = self.state.get(p)
+            if state:
+                self._check_state(group, gi, i, p, state)
+        for (gi, i, p, group), w in zip(params, weights):
             state = self._init_state(group, p)
             mode = self._mode(group, _real_dtype(p))
             local = _local(p)
@@ -843,6 +892,28 @@ class Adam(Optimizer):
                 wide = w.dtype if w.dtype == torch.float64 else torch.float32
                 w = w.to(wide)
                 _local(state["compensation"]).copy_(w - local.to(wide))
+
+    def _check_seed_weight(self, gi, i, p, w):
+        """seed_compensation's checks of one weight, attribute reads only."""
+        head = f"torchcast.optim.{type(self).__name__}.seed_compensation: the weight for"
+        where = f"{head} {_describe(gi, i, p)}"
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{where} is {_what(w)}; pass a tensor; nothing was changed")
+        if w.layout != torch.strided:
+            raise TypeError(f"{where} is a {w.layout} tensor; call .to_dense() on it first; "
+                            "nothing was changed")
+        if not (w.is_floating_point() or w.is_complex()) or w.is_complex() != p.is_complex():
+            kind = "complex" if p.is_complex() else "real floating"
+            raise TypeError(f"{where} is {w.dtype} but the param is {p.dtype}; pass a {kind} "
+                            "weight (float32, or complex64 for a complex param, typically); "
+                            "nothing was changed")
+        if tuple(w.shape) != tuple(p.shape):
+            raise ValueError(f"{where} has shape {tuple(w.shape)}; pass one of the param's "
+                             "shape; nothing was changed")
+        if _is_dtensor(p) and (not _is_dtensor(w) or w.to_local().shape != p.to_local().shape):
+            raise ValueError(f"{where} is {_what(w)}, not a DTensor of the param's local "
+                             f"shape {tuple(p.to_local().shape)}; pass it placed as the param "
+                             "(torch.distributed.tensor.distribute_tensor); nothing was changed")
 
 
 class AdamW(Adam):

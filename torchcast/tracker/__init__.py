@@ -179,19 +179,33 @@ class track:
     Returns (on entry):
         The Report the block's casts are recorded into; read it after the
         block (``str(report)``, ``report.records``, ``report.to_json()``).
+
+    Raises:
+        TypeError: ``all_casts`` or ``health`` is not a bool (a numpy bool
+            included), or rtol or atol is not a number.
+        ValueError: an unknown policy, nonfinite action or violation kind, or
+            a negative or NaN rtol or atol.
     """
 
     def __init__(self, all_casts: bool = False, *, policy: Optional[str] = None,
                  rtol: Optional[float] = None, atol: Optional[float] = None,
                  violations: ViolationsSpec = None, nonfinite: Optional[str] = None,
                  health: bool = False):
+        for arg, value in (("all_casts", all_casts), ("health", health)):
+            # bool(value) would take any object, the string "no" included, as on.
+            if not isinstance(value, bool):
+                kind = type(value)
+                kind = kind.__name__ if kind.__module__ == "builtins" else (
+                    f"{kind.__module__}.{kind.__qualname__}")  # numpy.bool, not bool
+                raise TypeError(f"torchcast.track: {arg} must be True or False, got {kind} "
+                                f"{value!r}; pass a bool (bool(x) for a numpy bool)")
         self.nonfinite_action = check_action(nonfinite)
-        self.health = bool(health)
+        self.health = health
         if policy is not None:
             check_policy(policy)
         rtol = check_tolerance(rtol, "rtol", "torchcast.track")
         atol = check_tolerance(atol, "atol", "torchcast.track")
-        self.all_casts = bool(all_casts)
+        self.all_casts = all_casts
         self.policy, self.rtol, self.atol = policy, rtol, atol
         self.violations = Violations(violations)
         self._recording = None
