@@ -14,6 +14,11 @@ namespace torchcast {
 // floating x; other layouts go through at::isfinite.
 bool all_finite(const at::Tensor& x);
 
+// all_finite(x), and when it is true, x's largest |x| in amax (complex: the
+// largest |real| or |imaginary| part). The non-finite watch reads the
+// tensors an in-place op writes to this way, before the op overwrites them.
+bool all_finite_amax(const at::Tensor& x, double& amax);
+
 struct NonfiniteCounts {
   int64_t nan = 0, inf = 0;
   double amax = 0;  // the largest finite |x|; 0 when there is none

@@ -11,10 +11,11 @@
 namespace torchcast {
 
 // Starts checking this thread's CPU ops (and those of the autograd threads
-// it starts): callback(op, overload, outputs, inputs) is called, with the
-// GIL, for each op whose floating output holds NaN/inf while every floating
-// input and float argument was finite (an op whose callee made them leaves it
-// to the callee). Ops named in skip ("aten::empty", ...), views of an input
+// it starts): callback(op, overload, outputs, inputs, before) is called,
+// with the GIL, for each op whose floating output holds NaN/inf while every
+// floating input and float argument was finite (an op whose callee made them
+// leaves it to the callee). before: per input, the amax (a list for a tensor
+// list) of an input the op wrote to, read before it did; else None. Ops named in skip ("aten::empty", ...), views of an input
 // and torchcast's own ops (but safe_to's cast result) are not checked. Call
 // with the GIL held; one watch per thread.
 void start_nonfinite_watch(PyObject* callback, const std::vector<std::string>& skip);

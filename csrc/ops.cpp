@@ -285,7 +285,7 @@ PyMethodDef methods[] = {
      "Whether every element of a CPU tensor is finite (csrc/cpu/all_finite.cpp)."},
     {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,
      "Checks this thread's CPU ops for NaN/inf made from finite inputs, calling "
-     "callback(op, overload, outputs, inputs) at each (csrc/cpu/nonfinite_watch.cpp)."},
+     "callback(op, overload, outputs, inputs, before) at each (csrc/cpu/nonfinite_watch.cpp)."},
     {"stop_nonfinite_watch", stop_nonfinite_watch, METH_NOARGS,
      "Stops this thread's non-finite watch."},
     {"take_propagated", take_propagated, METH_NOARGS,

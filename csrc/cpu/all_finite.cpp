@@ -139,4 +139,24 @@ bool all_finite(const at::Tensor& x) {
   return known ? finite : isfinite_all();
 }
 
+bool all_finite_amax(const at::Tensor& x, double& amax) {
+  amax = 0;
+  if (x.numel() == 0) return true;
+  if (x.is_non_overlapping_and_dense()) {  // one read of the bits
+    NonfiniteCounts c;
+    const bool known = with_health_format(x.scalar_type(), [&](auto format) {
+      c = format_nonfinite_counts<decltype(format)>(x);
+    });
+    if (known) {
+      amax = c.amax;
+      return c.nan == 0 && c.inf == 0;
+    }
+  }
+  if (!all_finite(x)) return false;
+  const auto real = x.is_complex() ? at::view_as_real(x) : x;
+  const auto wide = real.is_floating_point() && real.element_size() == 1 ? real.to(at::kFloat) : real;
+  amax = at::abs(wide).max().item<double>();
+  return true;
+}
+
 }  // namespace torchcast

@@ -31,6 +31,7 @@ struct Origin {
   const char* name;
   const char* overload;
   std::vector<c10::IValue> outputs, inputs;
+  std::vector<c10::IValue> before;  // per input: what before_write read, else None
 };
 
 struct OpCall : at::ObserverContext {
@@ -44,6 +45,7 @@ struct OpCall : at::ObserverContext {
   bool recording_paused = false;  // RecordFunction is off in this thread until it ends
   std::vector<at::Tensor> inputs;
   std::vector<c10::IValue> input_values;
+  std::vector<c10::IValue> before;  // per input the op writes: its amax before the op
   std::unique_ptr<Origin> origin;  // found in a callee
 };
 
@@ -72,6 +74,7 @@ struct OpInfo {
   bool first_output = false;  // safe_to's cast: its result, not its stats
   bool decomposes = false;     // CompositeImplicitAutograd (linear, matmul): not reported
   std::vector<bool> out_args;  // out= arguments: outputs, not inputs (their bits are garbage)
+  std::vector<bool> written;   // inputs the op writes to (self of an in-place op), not out=
 };
 
 // Sets this thread's paused flag for a scope: the watch's own reads
@@ -118,6 +121,8 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
     info.skip = alias != nullptr && !alias->isWrite() && !info.decomposes;
     for (const auto& argument : schema->arguments()) {
       info.out_args.push_back(argument.is_out());
+      const auto* written = argument.alias_info();
+      info.written.push_back(written != nullptr && written->isWrite() && !argument.is_out());
     }
   }
   return known.emplace(full, info).first->second;
@@ -128,6 +133,24 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
 bool sole_observer() {
   return !at::hasGlobalCallbacks() &&
          at::get_record_function_tls_().sorted_tls_callbacks_.size() == 1;
+}
+
+// An input an op is about to write to: its amax (a list of them for a
+// tensor list, NaN for an element that is not floating), with bad set when
+// it holds NaN/inf. One read, as all_finite's.
+c10::IValue before_write(const c10::IValue& v, bool& bad) {
+  const auto amax_of = [&bad](const at::Tensor& t) {
+    double amax = std::nan("");
+    if (floating(t)) bad |= !all_finite_amax(t, amax);
+    return amax;
+  };
+  if (v.isTensor()) return amax_of(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<double> amaxes;
+    for (const at::Tensor& t : v.toTensorList().vec()) amaxes.push_back(amax_of(t));
+    return amaxes;
+  }
+  return c10::IValue();
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
@@ -154,10 +177,15 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   call->first_output = info.first_output;
   call->decomposes = info.decomposes;
   const auto values = fn.inputs();
+  if (info.writes) call->before.resize(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
     const c10::IValue& v = values[i];
     if (i < info.out_args.size() && info.out_args[i]) continue;
-    if (v.isTensor()) {
+    if (info.writes && i < info.written.size() && info.written[i]) {
+      // Read now: the op is about to overwrite it, and an origin's
+      // description needs it as the op received it.
+      call->before[i] = before_write(v, call->inputs_bad);
+    } else if (v.isTensor()) {
       if (floating(v.toTensor())) call->inputs.push_back(v.toTensor());
     } else if (v.isDouble()) {
       call->inputs_bad |= !std::isfinite(v.toDouble());
@@ -179,12 +207,14 @@ void report(const Origin& origin) {
   pybind11::gil_scoped_acquire gil;
   if (watch_callback == nullptr) return;
   try {
-    pybind11::list outputs, inputs;
+    pybind11::list outputs, inputs, before;
     for (const c10::IValue& v : origin.outputs) outputs.append(torch::jit::toPyObject(v));
     for (const c10::IValue& v : origin.inputs) inputs.append(torch::jit::toPyObject(v));
+    for (const c10::IValue& v : origin.before) before.append(torch::jit::toPyObject(v));
     // (paused: the callback's own ops, a rerun in a wider dtype, are not the program's)
-    PyObject* result = PyObject_CallFunction(watch_callback, "ssOO", origin.name, origin.overload,
-                                             outputs.ptr(), inputs.ptr());
+    PyObject* result = PyObject_CallFunction(watch_callback, "ssOOO", origin.name,
+                                             origin.overload, outputs.ptr(), inputs.ptr(),
+                                             before.ptr());
     if (result == nullptr) {
       PyErr_WriteUnraisable(watch_callback);
     } else {
@@ -209,11 +239,25 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (call->skip) return;
   const Paused pause;
   bool out_bad = false;
-  const auto& outputs = fn.outputs();
+  std::vector<c10::IValue> outputs(fn.outputs().begin(), fn.outputs().end());
+  if (outputs.empty()) {
+    // An in-place op that returns nothing (_foreach_mul_): what it wrote to
+    // is its output.
+    for (size_t i = 0; i < call->before.size(); ++i) {
+      if (!call->before[i].isNone()) outputs.push_back(call->input_values[i]);
+    }
+  }
   const size_t checked = call->first_output ? std::min<size_t>(1, outputs.size()) : outputs.size();
+  const auto check = [&out_bad](const at::Tensor& t) {
+    if (floating(t) && !all_finite(t)) out_bad = true;
+  };
   for (size_t i = 0; i < checked; ++i) {
     const c10::IValue& v = outputs[i];
-    if (v.isTensor() && floating(v.toTensor()) && !all_finite(v.toTensor())) out_bad = true;
+    if (v.isTensor()) {
+      check(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) check(t);
+    }
   }
   if (out_bad) {
     if (!call->inputs_read) {
@@ -225,7 +269,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       call->origin = std::make_unique<Origin>(
           Origin{fn.name(), fn.overload_name(),
                  std::vector<c10::IValue>(outputs.begin(), outputs.begin() + checked),
-                 std::move(call->input_values)});
+                 std::move(call->input_values), std::move(call->before)});
     }
     if (call->parent != nullptr) call->parent->callee_nonfinite = true;
   }

@@ -22,7 +22,7 @@ from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..stats import PendingStats
 from .diagnose import note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
-from .nonfinite import NonFiniteWatch, inputs_nonfinite, unwatched
+from .nonfinite import NonFiniteWatch, inputs_nonfinite, unwatched, written_before
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
 from .origins import made_by_autocast, origin_of
@@ -127,11 +127,12 @@ def _watched_op(mode, func, args, kwargs):
     if mutates is None:
         mutates = _mutates[id(func)] = bool(getattr(func, "_schema", None)
                                             and func._schema.is_mutable)
-    inputs_bad = inputs_nonfinite(args, kwargs) if mutates else None
+    inputs_bad = inputs_nonfinite(func, args, kwargs) if mutates else None
+    before = written_before(func, args, kwargs) if mutates else None
     out = _run_op(mode.recorders, func, args, kwargs)
     frame = sys._getframe(1)
     for watch in mode.watches:
-        watch.after_op(func, args, kwargs, out, inputs_bad, frame)
+        watch.after_op(func, args, kwargs, out, inputs_bad, frame, before)
     return out
 
 

@@ -83,14 +83,47 @@ def _bad(values: Sequence[Any]) -> bool:
     return False
 
 
-def inputs_nonfinite(args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
+def inputs_nonfinite(func, args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
     """Whether an op's inputs hold NaN/inf, read before an in-place op
-    overwrites them: a bool for CPU tensors, else a bool tensor on their
-    device (no sync)."""
-    values = tree_flatten((args, kwargs))[0]
+    overwrites them (out= arguments are results, whatever bits they hold): a
+    bool for CPU tensors, else a bool tensor on their device (no sync)."""
+    values = tree_flatten([v for argument, v in _bound(func, args, kwargs)
+                           if not argument.is_out])[0]
     device = next((v.device for v in values
                    if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
     return _bad(values) if device is None else _device_flag(values, device)
+
+
+def _bound(func, args: tuple, kwargs: dict):
+    """(schema argument, value) for each argument the op was given."""
+    arguments = func._schema.arguments
+    yield from zip(arguments, args)
+    by_name = {a.name: a for a in arguments[len(args):]}
+    for name, value in kwargs.items():
+        if name in by_name:
+            yield by_name[name], value
+
+
+def _written(argument) -> bool:
+    """Whether the op writes to this argument as an input (self of an
+    in-place op), rather than as an out= result."""
+    alias = argument.alias_info
+    return alias is not None and alias.is_write and not argument.is_out
+
+
+def written_before(func, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """The amax of each floating tensor (or tensor list) an in-place op is
+    about to overwrite, by argument name: 0-d tensors on their devices (no
+    sync), read when an origin is described."""
+    before = {}
+    for argument, value in _bound(func, args, kwargs):
+        if not _written(argument):
+            continue
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        before[argument.name] = [
+            _ops.readable(t.detach()).abs().amax() if isinstance(t, torch.Tensor)
+            and floating_data(t) else None for t in tensors]
+    return before
 
 
 def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
@@ -117,7 +150,8 @@ class NonFiniteWatch:
 
     # -- per op -------------------------------------------------------------------
     def after_op(self, func, args: tuple, kwargs: dict, out: Any,
-                 inputs_bad: Union[None, bool, torch.Tensor], frame: Optional[FrameType]) -> None:
+                 inputs_bad: Union[None, bool, torch.Tensor], frame: Optional[FrameType],
+                 before: Optional[Dict[str, Any]] = None) -> None:
         """Checks one op's outputs; records (or raises for) an origin.
 
         Args:
@@ -126,6 +160,7 @@ class NonFiniteWatch:
             out: what it returned.
             inputs_bad: ``inputs_nonfinite`` before an in-place op ran, else None.
             frame: the frame the dispatch mode was called from.
+            before: ``written_before`` before an in-place op ran, else None.
         """
         kind = _op_kinds.get(id(func))
         if kind is None:
@@ -136,6 +171,12 @@ class NonFiniteWatch:
             out = out[0]
         if type(out) is _Tensor:  # most ops: no pytree walk
             outs = [out] if floating_data(out) else []
+        elif out is None and before:
+            # An in-place op that returns nothing (_foreach_mul_): what it
+            # wrote to is its output.
+            outs = [t for argument, value in _bound(func, args, kwargs) if argument.name in before
+                    for t in (value if isinstance(value, (list, tuple)) else [value])
+                    if isinstance(t, torch.Tensor) and floating_data(t)]
         else:
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
         if not outs:
@@ -150,12 +191,12 @@ class NonFiniteWatch:
                 with self.lock:
                     self.propagated += 1
                 return
-            self._found(func, args, kwargs, outs, frame, _where(frame))
+            self._found(func, args, kwargs, outs, frame, _where(frame), before)
             return
         out_bad = _device_flag(outs, device)
         in_bad = (_device_flag(tree_flatten((args, kwargs))[0], device) if inputs_bad is None
                   else torch.as_tensor(inputs_bad).to(device))
-        entry = (func, args, kwargs, outs, _where(frame), torch.stack([out_bad, in_bad]))
+        entry = (func, args, kwargs, outs, _where(frame), torch.stack([out_bad, in_bad]), before)
         if self.action == "raise":
             self._settle([entry])
             return
@@ -177,23 +218,21 @@ class NonFiniteWatch:
 
     def _settle(self, entries):
         flags = torch.stack([e[5].cpu() for e in entries]).tolist()
-        for (func, args, kwargs, outs, where, _), (out_bad, in_bad) in zip(entries, flags):
+        for (func, args, kwargs, outs, where, _, before), (out_bad, in_bad) in zip(entries, flags):
             if not out_bad:
                 continue
             if in_bad:
                 with self.lock:
                     self.propagated += 1
                 continue
-            self._found(func, args, kwargs, outs, None, where)
+            self._found(func, args, kwargs, outs, None, where, before)
 
     # -- an origin ----------------------------------------------------------------
-    def _found(self, func, args, kwargs, outs, frame, where):
+    def _found(self, func, args, kwargs, outs, frame, where, before=None):
         module, phase, node, site = where
         out = next(t for t in outs if not _ops.torch_all_finite(t))
         values = _ops.readable(out)
-        inputs = [InputInfo(t.dtype, tuple(t.shape), amax_of(t))
-                  for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and floating_data(t)]
+        inputs = _inputs(func, args, kwargs, before or {})
         with torch.no_grad():
             nan, posinf, neginf = (int(torch.isnan(values).sum()),
                                    int(torch.isposinf(values).sum()),
@@ -201,7 +240,8 @@ class NonFiniteWatch:
         origin = NonFiniteOrigin(
             op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
             file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,
-            posinf=posinf, neginf=neginf, inputs=inputs, note=wider_note(func, args, kwargs, out))
+            posinf=posinf, neginf=neginf, inputs=inputs,
+            note=wider_note(func, args, kwargs, out, any(i.overwritten for i in inputs)))
         with self.lock:
             known = self.origins.get(origin.key)
             if known is not None:
@@ -213,6 +253,26 @@ class NonFiniteWatch:
         if self.action == "warn" and origin.key not in self.warned:
             self.warned.add(origin.key)
             warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
+
+
+def _inputs(func, args: tuple, kwargs: dict, before: Dict[str, Any]) -> List[InputInfo]:
+    """An origin's floating inputs, as the op received them: an input it
+    wrote to is described by its amax read before (``before``), out=
+    arguments are left out (they are results)."""
+    inputs = []
+    for argument, value in _bound(func, args, kwargs):
+        if argument.is_out:
+            continue
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        prior = before.get(argument.name) or [None] * len(tensors)
+        for t, amax in zip(tensors, prior):
+            if not (isinstance(t, torch.Tensor) and floating_data(t)):
+                continue
+            if amax is None:
+                inputs.append(InputInfo(t.dtype, tuple(t.shape), amax_of(t)))
+            else:
+                inputs.append(InputInfo(t.dtype, tuple(t.shape), float(amax), overwritten=True))
+    return inputs
 
 
 class unwatched:
@@ -278,23 +338,27 @@ def _take_propagated():
             watch.propagated += n
 
 
-def _on_origin(name: str, overload: str, outputs: list, inputs: list) -> None:
+def _on_origin(name: str, overload: str, outputs: list, inputs: list, before: list) -> None:
     """The C++ watch's callback at an origin: the op, its outputs, its inputs
-    in schema order."""
+    in schema order, and per input the amax (or list of them) of an input
+    the op wrote to, read before it did (None for the others)."""
     namespace, op = name.split("::", 1)
     func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
-    args, kwargs = [], {}
-    for argument, value in zip(func._schema.arguments, inputs):
+    args, kwargs, written = [], {}, {}
+    for argument, value, prior in zip(func._schema.arguments, inputs,
+                                      before or [None] * len(inputs)):
         if argument.kwarg_only:
             kwargs[argument.name] = value
         else:
             args.append(value)
+        if prior is not None:
+            written[argument.name] = prior if isinstance(prior, list) else [prior]
     if func is _CAST_WITH_STATS:
         outputs = outputs[:1]
-    outs = [t for t in outputs if isinstance(t, torch.Tensor) and floating_data(t)]
+    outs = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
     where = _where(sys._getframe(1))
     for watch in list(_cpp.watches):
-        watch._found(func, tuple(args), kwargs, outs, None, where)
+        watch._found(func, tuple(args), kwargs, outs, None, where, written)
 
 
 def checked_at_once(device: torch.device) -> bool:

@@ -32,9 +32,16 @@ class InputInfo:
     dtype: torch.dtype
     shape: Tuple[int, ...]
     amax: float  # the largest |x| (its inputs are finite at an origin)
+    overwritten: bool = False  # the op wrote to it: amax is read before the op ran
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"dtype": str(self.dtype), "shape": list(self.shape), "amax": self.amax}
+        return {"dtype": str(self.dtype), "shape": list(self.shape), "amax": self.amax,
+                "overwritten": self.overwritten}
+
+    def describe(self) -> str:
+        """e.g. "float16[3] amax 1 (before the op wrote to it)"."""
+        return (f"{short_dtype_name(self.dtype)}{list(self.shape)} amax {self.amax:.4g}"
+                + (" (before the op wrote to it)" if self.overwritten else ""))
 
 
 @dataclasses.dataclass
@@ -77,8 +84,7 @@ class NonFiniteOrigin:
                  if self.phase == "backward" else f"forward{module}")
         found = ", ".join(f"{n} {what}" for n, what in
                           ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
-        inputs = "; ".join(f"{short_dtype_name(i.dtype)}{list(i.shape)} amax {i.amax:.4g}"
-                           for i in self.inputs) or "no floating tensor inputs"
+        inputs = "; ".join(i.describe() for i in self.inputs) or "no floating tensor inputs"
         return (f"{self.op} made {found} in its {short_dtype_name(self.dtype)} output from finite "
                 f"inputs, {phase}, at {where}. Inputs: {inputs}. {self.note}")
 
@@ -93,7 +99,8 @@ class NonFiniteOrigin:
     def from_dict(cls, d: Dict[str, Any]) -> "NonFiniteOrigin":
         d = dict(d)
         d["dtype"] = dtype_from_name(d["dtype"])
-        d["inputs"] = [InputInfo(dtype_from_name(i["dtype"]), tuple(i["shape"]), i["amax"])
+        d["inputs"] = [InputInfo(dtype_from_name(i["dtype"]), tuple(i["shape"]), i["amax"],
+                                 i.get("overwritten", False))
                        for i in d["inputs"]]
         return cls(**d)
 
@@ -125,9 +132,12 @@ def amax_of(t: torch.Tensor) -> float:
     return float(readable(t.detach()).abs().max()) if t.numel() else 0.0
 
 
-def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
+def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor,
+               overwritten: bool = False) -> str:
     """What the op ``func`` gives when its inputs of ``out``'s narrow
-    floating dtype are widened (a sentence for NonFiniteOrigin.note)."""
+    floating dtype are widened (a sentence for NonFiniteOrigin.note);
+    ``overwritten``: the op wrote to one of its inputs, whose values before
+    it are gone."""
     dtype = out.dtype
     wider = _WIDER.get(dtype)
     if wider is None:
@@ -137,6 +147,9 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor) -> str:
     if name in ("_to_copy", "copy_", "copy"):
         src = args[1] if name != "_to_copy" else args[0]
         return (f"A cast to {narrow} of values up to {amax_of(src):.4g}; "
+                f"{narrow}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
+    if overwritten:
+        return (f"The op wrote over its input, so it is not run again in {wide}; "
                 f"{narrow}'s largest finite value is {torch.finfo(dtype).max:.6g}.")
 
     def widen(a):
