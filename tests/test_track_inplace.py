@@ -84,3 +84,18 @@ def test_overwritten_inputs_round_trip_through_json():
         h.mul_(1e5)
     back = type(report).from_json(report.to_json())
     assert inputs_of(back.nonfinite[0]) == inputs_of(report.nonfinite[0])
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_out_overload_after_the_functional_one(action):
+    # The C++ watch once knew ops by name alone: addmm's functional overload,
+    # seen first, made addmm.out's out= argument (here holding the inf of an
+    # earlier result, as a reused buffer does) count as an input.
+    b, x, w = torch.zeros(8), torch.ones(4, 8), torch.full((8, 8), 1e38)
+    out = torch.full((4, 8), float("inf"))
+
+    def step():
+        torch.addmm(b, x, torch.ones(8, 8))
+        torch.addmm(b, x, w, out=out)
+    origin = origin_of(action, step)
+    assert origin.op == "aten::addmm" and len(origin.inputs) == 3

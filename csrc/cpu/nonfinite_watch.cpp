@@ -17,6 +17,7 @@
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <algorithm>
 #include <vector>
 
@@ -87,17 +88,37 @@ struct Paused {
 
 std::unordered_set<std::string> unchecked;  // set at start, with the GIL
 
-struct NameHash {
+// An op's name and overload ("aten::addmm", "out"): the overloads of a name
+// differ in what they write (addmm.out writes its out= argument, addmm
+// nothing), so both are the key.
+using OpKey = std::pair<std::string, std::string>;
+using OpKeyView = std::pair<std::string_view, std::string_view>;
+
+struct OpKeyHash {
   using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  size_t operator()(const OpKeyView& k) const {
+    const std::hash<std::string_view> h;
+    return h(k.first) * 31 + h(k.second);
+  }
+  size_t operator()(const OpKey& k) const { return (*this)(OpKeyView(k.first, k.second)); }
+};
+
+struct OpKeyEqual {
+  using is_transparent = void;
+  template <typename A, typename B>
+  bool operator()(const A& a, const B& b) const {
+    return std::string_view(a.first) == std::string_view(b.first) &&
+           std::string_view(a.second) == std::string_view(b.second);
+  }
 };
 
 // Keyed by the name's text: a record that is not an op owns its name string,
 // so its address says nothing.
 const OpInfo& info_of(const at::RecordFunction& fn) {
-  thread_local std::unordered_map<std::string, OpInfo, NameHash, std::equal_to<>> known;
+  thread_local std::unordered_map<OpKey, OpInfo, OpKeyHash, OpKeyEqual> known;
   const std::string_view name(fn.name());
-  auto it = known.find(name);
+  const OpKeyView key(name, fn.overload_name());
+  auto it = known.find(key);
   if (it != known.end()) return it->second;
   OpInfo info;
   const std::string full(name);
@@ -125,7 +146,7 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
       info.written.push_back(written != nullptr && written->isWrite() && !argument.is_out());
     }
   }
-  return known.emplace(full, info).first->second;
+  return known.emplace(OpKey(key.first, key.second), info).first->second;
 }
 
 // Whether this watch is the thread's only RecordFunction observer (no
