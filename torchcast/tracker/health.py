@@ -7,6 +7,12 @@ floating output with ``torchcast.tensor_health``; backward: a hook on each
 output that requires grad measures the gradient that reaches it (the
 gradient flowing into the module from what used its output). The measures
 stay tensors on the device, merged per (module, phase, dtype), until read.
+
+Whose rows: a watch hears the module calls of the thread that started it
+(of every thread without a watch of its own: modules.add_output_listener),
+and a row is one module object, not a name: two models of one class, or
+two threads' models, never share a row. Names are given when rows are
+read, from the path each module had at its first call (see ``_names``).
 """
 import collections
 import dataclasses
@@ -23,7 +29,7 @@ from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..headroom import FORMATS, Headroom, headroom
 from ..health import TensorHealth, tensor_health
 from ..stats import short_dtype_name
-from .modules import add_output_listener, remove_output_listener
+from .modules import ModuleCall, add_output_listener, remove_output_listener
 from .nonfinite import unwatched
 
 PHASES = ("forward", "backward")
@@ -69,13 +75,21 @@ class HealthWatch:
     is changed, merging makes new tensors."""
 
     def __init__(self):
-        self.entries: Dict[Tuple[Optional[str], str, torch.dtype], List[TensorHealth]] = {}
+        # (module, phase, dtype) -> measures; the module is a _Module while
+        # recording, a name (str or None) in a watch read back or fed by name.
+        self.entries: Dict[Tuple[Any, str, torch.dtype], List[TensorHealth]] = {}
         self._merged = set()  # the keys whose list is one TensorHealth of this watch's own
         self.lock = threading.RLock()
         self.active = False
         # (weakref to the tensor, its version, its measure, its gradient hook):
         # the output measured last.
         self._last = None
+        self._modules: Dict[int, _Module] = {}  # id(module) -> its row key, while it lives
+        # (root key, path below it) -> the keys made for it: where a module
+        # made anew (a loss module built at each step) finds the key of the
+        # one before it, gone by then.
+        self._places: Dict[Tuple[Any, str], List[_Module]] = {}
+        self._made = 0  # keys made: their order, which numbers roots sharing a class
 
     def start(self) -> None:
         self.active = True
@@ -103,20 +117,59 @@ class HealthWatch:
             self.entries[key] = [TensorHealth.merged(self.entries[key])]
         self._merged.add(key)
 
-    def measure(self, modules: List[Optional[str]], phase: str, t: torch.Tensor) -> None:
-        """Measures ``t`` once, for each of ``modules``."""
+    def measure(self, modules: List[Any], phase: str, t: torch.Tensor) -> None:
+        """Measures ``t`` once, for each of ``modules`` (row keys, or names:
+        a str or None)."""
         with unwatched():
             measured = tensor_health(t.detach())
         for module in modules:
             self._add(module, phase, t.dtype, measured)
 
-    def on_output(self, module: Optional[str], output: Any) -> None:
+    def _key(self, call: ModuleCall) -> Optional["_Module"]:
+        """The row key of the module ``call`` stands for (None: no module)."""
+        owner = call.owner
+        if owner is None:
+            return None
+        key = self._modules.get(id(owner))
+        if key is not None and key.ref() is owner:
+            return key
+        return self._new_key(call)
+
+    def _new_key(self, call):
+        """A module's first call: its key, made from the place it was called."""
+        owner = call.owner
+        root_call = call
+        while root_call.parent is not None:
+            root_call = root_call.parent
+        root = self._key(root_call) if root_call is not call else None
+        place = (root, call.rel) if root is not None else (None, call.path)
+        with self.lock:
+            key = self._modules.get(id(owner))
+            if key is not None and key.ref() is owner:
+                return key  # another thread made it meanwhile
+            same = self._places.setdefault(place, [])
+            key = next((k for k in same if k.ref() is None), None)
+            if key is None:
+                # A module is its own root at its first call: root None.
+                key = _Module(call.path, root, call.rel, self._made)
+                self._made += 1
+                same.append(key)
+            else:
+                # The module before it here is gone: this one continues its rows.
+                if self._modules.get(key.id) is key:
+                    del self._modules[key.id]
+            key.ref, key.id = weakref.ref(owner), id(owner)
+            self._modules[key.id] = key
+            return key
+
+    def on_output(self, call: ModuleCall, output: Any) -> None:
         """The module hooks' listener: measures each floating output, and
         hooks its gradient. A tensor that is also the output of the module
         just measured (a container returning its last child's output) is not
         measured again: its measure and its gradient hook are shared."""
         if not self.active:
             return
+        module = self._key(call)
         for t in tree_flatten(output)[0]:
             if type(t) not in PLAIN_TENSOR_TYPES or not t.is_floating_point() or t.numel() == 0:
                 continue
@@ -167,8 +220,70 @@ class HealthWatch:
                     holders[id(h)] -= 1
                     self._merge(key)
                 self._merged.add(key)
-            rows = [ModuleHealth(m, phase, h) for (m, phase, _), (h,) in self.entries.items()]
+            names = _names(m for m, _, _ in self.entries)
+            rows = [ModuleHealth(names[m], phase, h)
+                    for (m, phase, _), (h,) in self.entries.items()]
         return sorted(rows, key=_severity)
+
+
+class _Module:
+    """A module object's row key in one watch, hashed by identity; it holds
+    the module weakly (a report must not keep a model alive).
+
+    Attributes:
+        path: ``current_module``'s path at its first call (for messages).
+        root: the key of the outermost module of that call; None for that
+            outermost module itself, or under compiled code called first.
+        rel: its path below ``root`` ("" for a root, "/Class" for a module
+            the root calls but does not register).
+        order: the how-manieth key of the watch it is.
+        ref, id: a weak reference to the module and its id().
+    """
+
+    __slots__ = ("path", "root", "rel", "order", "ref", "id")
+
+    def __init__(self, path, root, rel, order):
+        self.path, self.root, self.rel, self.order = path, root, rel, order
+        self.ref, self.id = None, 0
+
+
+def _names(keys) -> Dict[Any, Optional[str]]:
+    """key -> the row's name, distinct for distinct keys.
+
+    A root is named by its class, with "#2", "#3", ... for the second, third
+    root object of a class (in the order first seen). A module its root
+    registers is named by its path there, as casts are ("layers.0"), or,
+    when modules of several roots have rows, by the root's name and the
+    path ("Sequential#2.0"); one that the root calls without registering it
+    by the root's name and "/Class". A module called from several places is
+    one row, named at its first call. A name still taken (a registered child
+    named like a root) gets "#2", ...; names given by hand (str) are kept."""
+    keys = set(keys)
+    modules = sorted((k for k in keys if isinstance(k, _Module)), key=lambda k: k.order)
+    roots = sorted({k.root if k.root is not None else k for k in modules
+                    if k.root is not None or not k.rel}, key=lambda k: k.order)
+    label, per_class = {}, collections.Counter()
+    for root in roots:
+        per_class[root.path] += 1
+        n = per_class[root.path]
+        label[root] = root.path if n == 1 else f"{root.path}#{n}"
+    qualify = len({k.root for k in modules if k.root is not None and k.rel[:1] != "/"}) > 1
+    names = {k: k for k in keys if not isinstance(k, _Module)}
+    taken = set(names.values())
+    for k in modules:
+        if k.root is None:
+            name = label.get(k, k.path)  # a root, or a module under compiled code
+        elif k.rel[:1] == "/":
+            name = label[k.root] + k.rel
+        else:
+            name = f"{label[k.root]}.{k.rel}" if qualify else k.rel
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}#{n}"
+        taken.add(unique)
+        names[k] = unique
+    return names
 
 
 class _GradHook:
@@ -192,9 +307,11 @@ class _GradHook:
 _warned_layouts = set()
 
 
-def _warn_not_measured(module: Optional[str], t: torch.Tensor) -> None:
+def _warn_not_measured(module: Any, t: torch.Tensor) -> None:
     """Says once per layout that such tensors are left out of health rows:
     tensor_health reads dense strided tensors."""
+    if isinstance(module, _Module):
+        module = module.path
     kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
     if kind not in _warned_layouts:
         _warned_layouts.add(kind)

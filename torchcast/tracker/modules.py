@@ -36,11 +36,29 @@ _local = threading.local()
 # ---------------------------------------------------------------------------
 # The module-call stack.
 
-class _Call:
-    __slots__ = ("path", "names", "start", "end", "parent", "module_id", "epoch")
+class ModuleCall:
+    """One module call on a thread's stack, as output listeners receive it.
 
-    def __init__(self, path, names, start, parent, module_id, epoch):
-        self.path, self.names, self.start, self.end, self.parent = path, names, start, None, parent
+    Attributes:
+        path: what ``current_module`` says during the call: the outermost
+            module's class name, its children's paths without it
+            ("layers.0.linear1"), "parent/Class" for a module its root
+            does not register (one made inside a forward); None for
+            compiled code called first.
+        rel: the path below the outermost module: "" for it, "/Class" for
+            a module it does not register that it calls directly.
+        owner: the module the call stands for (a compiled wrapper and the
+            module it wraps, and a graph module running for its caller,
+            stand for one module); None for compiled code called first,
+            and once the call has returned.
+        parent: the call this one is inside, None for the outermost.
+    """
+    __slots__ = ("path", "rel", "owner", "names", "start", "end", "parent", "module_id",
+                 "epoch")
+
+    def __init__(self, path, rel, owner, names, start, parent, module_id, epoch):
+        self.path, self.rel, self.owner = path, rel, owner
+        self.names, self.start, self.end, self.parent = names, start, None, parent
         self.module_id, self.epoch = module_id, epoch
 
 
@@ -78,13 +96,18 @@ def _unwrapped(module):
 
 
 def _names_of(root):
+    """module -> (its path in ``root``, the module it stands for), for every
+    module ``root`` registers, the first path where one is registered twice."""
     names = _names_cache.get(root)
     if names is None:
         names = {}
         for path, module in root.named_modules(remove_duplicate=False):
             # A compiled submodule is the module it wraps: its path has no
-            # "_orig_mod" component, and the wrapper and the wrapped share it.
-            names.setdefault(module, ".".join(p for p in path.split(".") if p != _WRAPPER))
+            # "_orig_mod" component, and the wrapper and the wrapped share it
+            # (and its owner: unwrapping here, once, keeps it off every call).
+            if module not in names:
+                names[module] = (".".join(p for p in path.split(".") if p != _WRAPPER),
+                                 _unwrapped(module))
         del names[root]  # a value referring to its weak key would keep it alive
         _names_cache[root] = names
     return names
@@ -100,21 +123,29 @@ def _pre_hook(module, args):
     parent = stack[-1] if stack else None
     if parent is None:
         names = _names_of(module)
+        rel = ""
         # A graph module called first is compiled code (the "eager" and
         # "aot_eager" backends' graph of a compiled function): no module.
-        path = None if isinstance(module, torch.fx.GraphModule) else \
-            type(_unwrapped(module)).__name__
+        if isinstance(module, torch.fx.GraphModule):
+            path = owner = None
+        else:
+            owner = _unwrapped(module)
+            path = type(owner).__name__
     else:
         names = parent.names
-        path = names.get(module)
-        if path == "" or (path is None and isinstance(module, torch.fx.GraphModule)):
+        registered = names.get(module)
+        if registered is not None and registered[0]:
+            path, owner = registered
+            rel = path
+        elif registered is not None or isinstance(module, torch.fx.GraphModule):
             # The module a compiled root wraps is the root itself; a graph
             # module that is not a child is compiled code (the "eager" and
             # "aot_eager" backends run one) standing for its caller.
-            path = parent.path
-        elif path is None:
-            path = f"{parent.path}/{type(module).__name__}"
-    call = _Call(path, names, _sequence_nr(), parent, id(module), _epoch)
+            path, rel, owner = parent.path, parent.rel, parent.owner
+        else:
+            kind = type(module).__name__
+            path, rel, owner = f"{parent.path}/{kind}", f"{parent.rel}/{kind}", module
+    call = ModuleCall(path, rel, owner, names, _sequence_nr(), parent, id(module), _epoch)
     stack.append(call)
     with _calls_lock:
         if len(_calls) >= _MAX_CALLS:
@@ -123,19 +154,50 @@ def _pre_hook(module, args):
         _call_starts.append(call.start)
 
 
-_output_listeners = []
+# Output listeners belong to the thread that added them (a track's health
+# watch, to the thread that entered the track): a module call goes to its
+# thread's listeners, or, in a thread with none, to every thread's, as
+# other threads' casts go to every all_casts track (threads.py). Tuples,
+# replaced whole under the lock, so that the hook iterates them unlocked.
+class _ThreadListeners:
+    __slots__ = ("listeners",)
+
+    def __init__(self):
+        self.listeners = ()
+
+
+_listeners_lock = threading.Lock()
+_all_listeners = ()
+_listener_threads = {}  # listener -> the _ThreadListeners of the thread that added it
 
 
 def add_output_listener(listener) -> None:
-    """Calls ``listener(path, output)`` after each tracked module's forward,
-    with the module's path (as ``current_module`` gives it) and its output,
-    until ``remove_output_listener(listener)``."""
-    _output_listeners.append(listener)
+    """Calls ``listener(call, output)`` after each forward of a module that
+    the calling thread runs, with the ``ModuleCall`` and the module's output,
+    until ``remove_output_listener(listener)`` (from any thread). A thread
+    that has no listener of its own calls every thread's listeners."""
+    global _all_listeners
+    with _listeners_lock:
+        own = getattr(_local, "listeners", None)
+        if own is None:
+            own = _local.listeners = _ThreadListeners()
+        own.listeners += (listener,)
+        _listener_threads[listener] = own
+        _all_listeners += (listener,)
+
+
+def _without(listeners, listener):
+    i = listeners.index(listener)
+    return listeners[:i] + listeners[i + 1:]
 
 
 def remove_output_listener(listener) -> None:
     """Undoes ``add_output_listener(listener)``."""
-    _output_listeners.remove(listener)
+    global _all_listeners
+    with _listeners_lock:
+        own = _listener_threads.pop(listener)
+        own.listeners = _without(own.listeners, listener)
+        _all_listeners = _without(_all_listeners, listener)
 
 
 def _post_hook(module, args, output):
@@ -145,8 +207,14 @@ def _post_hook(module, args, output):
     if stack and stack[-1].module_id == id(module):
         call = stack.pop()
         call.end = _sequence_nr()
-        for listener in list(_output_listeners):
-            listener(call.path, output)
+        own = getattr(_local, "listeners", None)
+        for listener in own.listeners if own is not None and own.listeners else _all_listeners:
+            listener(call, output)
+        # The call stays in _calls for backward attribution; its modules must
+        # not (the owner, and the root's children through names): a module
+        # made for one call (a loss built at each step) would live on until
+        # the last track exits.
+        call.owner = call.names = None
 
 
 # torch.compile(module) warns at every call, while global module hooks
