@@ -168,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.argv = [opts.script] + opts.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))
     code = 0
+    tracking = os.getpid()
     try:
         with track(all_casts=True, policy=opts.policy, violations=opts.violations,
                    nonfinite=opts.nonfinite, health=opts.health) as report:
@@ -182,6 +183,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+    if os.getpid() != tracking:
+        # A process the script forked, run on to the script's end: its track
+        # left its records for the tracking process, which reports them all.
+        return code
     print(report.table(limit=opts.top), file=sys.stderr)
     if opts.health:
         print(report.headroom_summary(), file=sys.stderr)

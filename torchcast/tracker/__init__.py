@@ -226,7 +226,6 @@ class track:
             compiled.install()
             push_mode(recording)
             watch_other_threads(recording)
-            self._spool = recording.spool = open_spool(recording.report)
         if self.nonfinite_action is not None:
             watch = NonFiniteWatch(self.nonfinite_action)
             recording.watch = recording.report.nonfinite_watch = watch
@@ -238,6 +237,10 @@ class track:
         if self.health:
             recording.health = recording.report.health_watch = HealthWatch()
             recording.health.start()
+        if self.all_casts or self.nonfinite_action is not None:
+            # Where processes forked in the block (DataLoader workers) leave
+            # their casts and non-finite origins for this one.
+            self._spool = recording.spool = open_spool(recording.report)
         self._recording = recording
         return recording.report
 
@@ -261,9 +264,9 @@ class track:
         finally:
             remove_recorder(recording.record_safe_to)
             uninstall(self.all_casts)
-            if self.all_casts:
-                spool, self._spool = self._spool, None
-                close_spool(spool)
+            spool, self._spool = self._spool, None
+            if spool is not None:
+                close_spool(spool)  # in a forked child: leaves its records for the parent
         return False
 
 

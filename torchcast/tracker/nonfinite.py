@@ -22,9 +22,10 @@ narrow dtype's range was the problem.
 import math
 import sys
 import threading
+import time
 import warnings
 from types import FrameType
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -147,6 +148,27 @@ class NonFiniteWatch:
         self.lock = threading.Lock()
         self.pending: List[tuple] = []  # non-CPU ops awaiting their flags' reading
         self.warned = set()
+        # Set in a process forked inside the track (forked()).
+        self.worker_id: Optional[Callable[[], int]] = None
+        self.on_origin: Optional[Callable[[], None]] = None
+
+    def forked(self, worker_id: Callable[[], int], on_origin: Callable[[], None]) -> None:
+        """In a process forked inside the track (a DataLoader worker):
+        forgets the origins and counts it inherited, which are the parent's
+        to report; labels each origin it finds from now on with
+        ``worker_id()``, and calls ``on_origin()`` after each new one is
+        stored, before it is raised: the parent reads a worker's origins
+        when its track exits, and under "raise" that is as soon as the
+        worker's error reaches it, while the worker still runs.
+
+        Args:
+            worker_id: gives this process's worker id.
+            on_origin: hands this process's origins to the parent.
+        """
+        self.lock = threading.Lock()  # another thread may have held it at the fork
+        self.origins, self.propagated, self.pending = {}, 0, []
+        _ops.take_propagated()  # the C++ watch's count not yet taken is the parent's
+        self.worker_id, self.on_origin = worker_id, on_origin
 
     # -- per op -------------------------------------------------------------------
     def after_op(self, func, args: tuple, kwargs: dict, out: Any,
@@ -229,6 +251,7 @@ class NonFiniteWatch:
 
     # -- an origin ----------------------------------------------------------------
     def _found(self, func, args, kwargs, outs, frame, where, before=None):
+        when = time.monotonic()
         module, phase, node, site = where
         out = next(t for t in outs if not _ops.torch_all_finite(t))
         values = _ops.readable(out)
@@ -241,13 +264,16 @@ class NonFiniteWatch:
             op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
             file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,
             posinf=posinf, neginf=neginf, inputs=inputs,
-            note=wider_note(func, args, kwargs, out, any(i.overwritten for i in inputs)))
+            note=wider_note(func, args, kwargs, out, any(i.overwritten for i in inputs)),
+            worker=self.worker_id() if self.worker_id is not None else None, time=when)
         with self.lock:
             known = self.origins.get(origin.key)
             if known is not None:
                 known.count += 1
                 return
             self.origins[origin.key] = origin
+        if self.on_origin is not None:
+            self.on_origin()
         if self.action == "raise":
             raise NonFiniteError(origin)
         if self.action == "warn" and origin.key not in self.warned:

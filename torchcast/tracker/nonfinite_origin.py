@@ -54,7 +54,13 @@ class NonFiniteOrigin:
     the line that started it, such as ``loss.backward()``), ``via`` the
     library frame it came through. ``nan``, ``posinf``, ``neginf`` count the
     first call's output; ``count`` how many calls at this place were origins.
-    ``note`` says what the op gives in a wider dtype.
+    ``note`` says what the op gives in a wider dtype. ``worker`` is the
+    DataLoader worker id (the pid of another forked process) of an origin
+    found in a process forked inside the track, None in the track's own
+    process: the label "[worker N]" that cast sites of workers carry.
+    ``time`` is ``time.monotonic()`` when the origin was found (on a GPU,
+    when its flags were read): the clock is the machine's, so it orders the
+    origins of worker processes among the track's own.
     """
 
     op: str
@@ -71,14 +77,20 @@ class NonFiniteOrigin:
     inputs: List[InputInfo]
     note: str
     count: int = 1
+    worker: Optional[int] = None
+    # Not part of what an origin is: two reports of the same origins are equal.
+    time: Optional[float] = dataclasses.field(default=None, compare=False)
 
     @property
     def key(self) -> tuple:
-        return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via)
+        return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via,
+                self.worker)
 
     def describe(self) -> str:
         """One paragraph: what, where, and why."""
         where = f"{short_path(self.file)}:{self.line}" + (f" via {self.via}" if self.via else "")
+        if self.worker is not None:
+            where += f" [worker {self.worker}]"
         module = f" in {self.module}" if self.module else ""
         phase = (f"backward ({self.node}, of{module or ' no tracked module'}'s forward)"
                  if self.phase == "backward" else f"forward{module}")

@@ -522,9 +522,7 @@ class Report:
             watch = report.nonfinite_watch = NonFiniteWatch("record")
             watch.propagated = data.get("propagated", 0)
             for d in data["nonfinite"]:
-                d = dict(d, inputs=[dict(i, amax=float_from_json(i["amax"], "an input's amax"))
-                                    for i in d["inputs"]])
-                origin = NonFiniteOrigin.from_dict(d)
+                origin = _origin_from_dict(d)
                 watch.origins[origin.key] = origin
         if "health" in data:
             rows = [dict(d, **{k: float_from_json(d[k], f"a health row's {k}")
@@ -565,6 +563,35 @@ class Report:
                        graph_cuts=r["graph_cuts"], imag=r["imag_dropped"],
                        double_rounded=r["double_rounded"])
 
+    def merge_nonfinite(self, origins: List[Dict[str, Any]], propagated: int = 0) -> None:
+        """Merges non-finite origins in ``to_dict()["nonfinite"]``'s form (a
+        worker process's) into this report's, which stay in the order they
+        happened: by their ``time``, the machine's clock (origins without one
+        come last, in the order given). An origin already here adds its count.
+
+        Args:
+            origins: the origins, as ``NonFiniteOrigin.to_dict`` gives them.
+            propagated: op calls that only passed NaN/inf on, to add.
+        """
+        if not origins and not propagated:
+            return
+        watch = self.nonfinite_watch
+        if watch is None:
+            watch = self.nonfinite_watch = NonFiniteWatch("record")
+        with watch.lock:
+            watch.propagated += propagated
+            for d in origins:
+                origin = _origin_from_dict(d)
+                known = watch.origins.get(origin.key)
+                if known is None:
+                    watch.origins[origin.key] = origin
+                else:
+                    known.count += origin.count
+            ordered = sorted(watch.origins.items(),
+                             key=lambda item: (item[1].time is None, item[1].time or 0.0))
+            watch.origins.clear()
+            watch.origins.update(ordered)
+
     def all_reduce(self, group: Optional[Any] = None) -> "Report":
         """Merges this report with the same report on every rank, in place,
         on every rank. Each call adds the other ranks' records again, like
@@ -587,6 +614,14 @@ class Report:
         for records in gathered:
             self.merge_records(records)
         return self
+
+
+def _origin_from_dict(d: Dict[str, Any]) -> NonFiniteOrigin:
+    """A NonFiniteOrigin from its to_dict() form, an input's amax possibly
+    one of the strings "inf", "-inf", "nan"."""
+    d = dict(d, inputs=[dict(i, amax=float_from_json(i["amax"], "an input's amax"))
+                        for i in d["inputs"]])
+    return NonFiniteOrigin.from_dict(d)
 
 
 def _nonfinite_lines(report: Report) -> List[str]:

@@ -11,11 +11,18 @@ all_casts track. ``copy_`` into a lower-precision tensor in those threads is
 not seen (ADInplaceOrView's copy_ kernel is PyTorch's own).
 
 Worker processes. A process forked inside a block (DataLoader workers with
-the "fork" start method) inherits the tracks, and records into copies of
-their reports. When it exits (multiprocessing's finalizers run as a
-DataLoader worker ends), each copy is written to its track's spool
-directory, with ``[worker N]`` added to every origin; the track merges the
-files when it exits.
+the "fork" start method, a bare ``os.fork()``) inherits the tracks, and
+records into copies of their reports, emptied at the fork. It writes each
+copy to its track's spool directory, with ``[worker N]`` added to every
+cast site's origin and ``worker`` set in every non-finite origin (N: the
+DataLoader worker id, else the pid): when it exits through multiprocessing
+(a DataLoader worker's end), when it leaves the block itself (a bare fork
+whose child runs on to the block's end or calls sys.exit in it), and at
+each new non-finite origin (the error of "raise" reaches the parent while
+the worker runs). A child that ends with ``os._exit`` inside the block
+leaves only what it wrote at its origins. The process that opened the
+spool, and only it, merges the files when its track exits and removes the
+directory; in a forked child the track's exit only writes.
 """
 import json
 import multiprocessing.util
@@ -93,8 +100,10 @@ class WorkerSpool:
     def __init__(self, report: Report):
         self.report = report
         self.path: Optional[str] = None
+        self.owner = os.getpid()  # the tracking process: it alone merges and removes
         self.in_worker = False  # set in a forked process
         self.worker: Optional[int] = None
+        self.left: Optional[str] = None  # what this process last wrote
 
     def note_worker(self) -> None:
         """In a forked process, while it records: notes its DataLoader worker
@@ -102,17 +111,42 @@ class WorkerSpool:
         info = torch.utils.data.get_worker_info()
         self.worker = info.id if info is not None else os.getpid()
 
-    def _flush(self) -> None:
-        records = self.report.to_dict()["records"]
-        if not records or self.path is None:
+    def worker_id(self) -> int:
+        """In a forked process: its DataLoader worker id, else its pid."""
+        if self.worker is None:
+            self.note_worker()
+        return self.worker
+
+    def leave(self) -> None:
+        """In a forked process: writes everything it recorded so far into
+        the spool, for the tracking process (again at each call, replacing
+        the file)."""
+        if self.path is None:
             return
-        label = f"worker {self.worker if self.worker is not None else os.getpid()}"
+        report = self.report
+        records = [r.to_dict() for r in report.records]
+        origins = [o.to_dict() for o in report.nonfinite]  # labelled by the watch (forked())
+        propagated = report.propagated
+        if not (records or origins or propagated):
+            return
+        label = f"worker {self.worker_id()}"
         for record in records:
             record["origin"] = f"{record['origin']} [{label}]"
+        text = json.dumps({"records": records, "nonfinite": origins, "propagated": propagated})
+        if text == self.left:
+            return  # delivered already (at an origin), perhaps to a track that has ended
         target = os.path.join(self.path, f"{os.getpid()}.json")
-        with open(target + ".tmp", "w") as f:
-            json.dump(records, f)
-        os.replace(target + ".tmp", target)
+        try:
+            with open(target + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(target + ".tmp", target)
+        except FileNotFoundError:  # the spool is gone: the tracking process has reported
+            warnings.warn(f"torchcast.track: process {os.getpid()}, forked inside a track, "
+                          f"ended after that track had reported: its {len(records)} cast sites "
+                          f"and {len(origins)} non-finite origins are in no report",
+                          RuntimeWarning)
+            return
+        self.left = text
 
     def collect(self) -> None:
         """In the track's process: merges the records its workers left,
@@ -123,7 +157,9 @@ class WorkerSpool:
             for name in sorted(os.listdir(self.path)):
                 if name.endswith(".json"):
                     with open(os.path.join(self.path, name)) as f:
-                        self.report.merge_records(json.load(f))
+                        left = json.load(f)
+                    self.report.merge_records(left["records"])
+                    self.report.merge_nonfinite(left["nonfinite"], left["propagated"])
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = None
@@ -145,11 +181,16 @@ def open_spool(report: Report) -> WorkerSpool:
 
 
 def close_spool(spool: WorkerSpool) -> None:
-    """Stops forwarding forks to ``spool`` and merges what its workers left
-    (workers still running then are not waited for)."""
+    """Stops forwarding forks to ``spool``. In the process that opened it:
+    merges what its workers left (workers still running then are not waited
+    for) and removes it. In a process forked since: leaves this process's
+    records there, for that process."""
     with _lock:
         _spools.remove(spool)
-    spool.collect()
+    if os.getpid() == spool.owner:
+        spool.collect()
+    else:
+        spool.leave()
 
 
 def _before_fork() -> None:
@@ -159,16 +200,21 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
     for spool in _spools:
         spool.report.clear()  # the parent's records stay the parent's
         spool.in_worker = True
+        watch = spool.report.nonfinite_watch
+        if watch is not None:
+            watch.forked(spool.worker_id, spool.leave)
 
 
 def _flush_at_exit(spool: WorkerSpool) -> None:
     # multiprocessing's exit function runs it when the process ends (a
     # DataLoader worker, a multiprocessing.Process).
     if spool in _spools:
-        multiprocessing.util.Finalize(spool, spool._flush, exitpriority=100)
+        multiprocessing.util.Finalize(spool, spool.leave, exitpriority=100)
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
