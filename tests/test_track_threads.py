@@ -219,3 +219,35 @@ def test_dataloader_workers_ship_their_casts_back():
     assert sum(r.calls for r in workers.values()) == 8
     assert sum(r.stats.overflow for r in workers.values()) == sum(i % 5 for i in range(8))
     assert all(r.file.endswith("test_track_threads.py") for r in workers.values())
+
+
+def test_safe_to_and_cast_modules_of_other_threads_are_recorded():
+    # safe_to dispatches torchcast's own op, not aten::_to_copy: its other-thread
+    # calls reach the track through the other-thread recorders (cast.py).
+    x = torch.linspace(-1e5, 1e5, 100)
+    cast = torchcast.nn.Cast(torch.float16, policy="record")
+    seen = {}
+
+    def work():
+        torchcast.safe_to(x, torch.float16, policy="record")
+        cast(x)
+        with torchcast.track() as own:  # recorded by its own track and the all_casts one
+            torchcast.safe_to(x, torch.bfloat16, policy="record")
+        seen["own"] = own
+        with torchcast.track(all_casts=True) as covered:  # by its own all_casts track alone
+            torchcast.safe_to(x, torch.float64, policy="record")
+        seen["covered"] = covered
+
+    with torchcast.track(all_casts=True, policy="record") as report:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(timeout=60)
+    want = stats_of_cast(x, x.half())
+    origins = sorted((r.origin, r.module or "", str(r.dtype)) for r in report.records)
+    assert origins == [("safe_to", "", "torch.bfloat16"), ("safe_to", "", "torch.float16"),
+                       ("safe_to", "Cast", "torch.float16")]
+    for r in report.records:
+        if r.dtype == torch.float16:
+            assert_stats_match(r.stats, want)
+    assert [(r.origin, r.dtype) for r in seen["own"].records] == [("safe_to", torch.bfloat16)]
+    assert [(r.origin, r.dtype) for r in seen["covered"].records] == [("safe_to", torch.float64)]

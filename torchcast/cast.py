@@ -56,6 +56,7 @@ class _ThreadState(threading.local):
     policies: Tuple[str, ...] = ()  # a list once a policy() block entered
     last: Optional[PendingStats] = None
     recorders: Tuple[Callable[[PendingStats, Optional[str]], None], ...] = ()
+    all_casts_tracks: int = 0  # track(all_casts=True) blocks active in this thread
 
 
 _local = _ThreadState()
@@ -159,22 +160,55 @@ def last_stats() -> Optional[CastStats]:
 
 # Recorders: callables that every safe_to of this thread whose policy is not
 # "ignore" reports to, as ``recorder(pending_stats, name)`` (torchcast.track's).
+# The active track(all_casts=True) blocks record the safe_to calls of every
+# thread that has no such block of its own (its "other-thread recorders"),
+# as csrc/thread_casts.cpp hands them the x.to of those threads.
+_other_thread_recorders: Tuple[Callable[[PendingStats, Optional[str]], None], ...] = ()
+_other_thread_lock = threading.Lock()
+
 
 def recorders() -> Tuple[Callable[[PendingStats, Optional[str]], None], ...]:
-    """The recorders active in this thread, outermost first."""
-    return _local.recorders
+    """The recorders active in this thread, outermost first, then, in a
+    thread without a track(all_casts=True) of its own, those of the ones
+    active in other threads."""
+    others = _other_thread_recorders
+    if not others or _local.all_casts_tracks:
+        return _local.recorders
+    return _local.recorders + tuple(r for r in others if r not in _local.recorders)
+
+
+def set_all_casts_track(entered: bool) -> None:
+    """Counts a track(all_casts=True) this thread enters (True) or leaves
+    (False): while one is active, the other threads' tracks do not record
+    this thread's safe_to calls."""
+    _local.all_casts_tracks += 1 if entered else -1
+
+
+def add_other_thread_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
+    """Makes every later safe_to of a thread without recorders of its own
+    call ``recorder`` until ``remove_other_thread_recorder(recorder)``."""
+    global _other_thread_recorders
+    with _other_thread_lock:
+        _other_thread_recorders = _other_thread_recorders + (recorder,)
+
+
+def remove_other_thread_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
+    """Undoes ``add_other_thread_recorder(recorder)``."""
+    global _other_thread_recorders
+    with _other_thread_lock:
+        _other_thread_recorders = tuple(r for r in _other_thread_recorders if r != recorder)
 
 
 def add_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
     """Makes every later safe_to of this thread (policy not "ignore") call
     ``recorder(pending_stats, name)`` until ``remove_recorder(recorder)``."""
-    _local.recorders = recorders() + (recorder,)
+    _local.recorders = _local.recorders + (recorder,)
 
 
 def remove_recorder(recorder: Callable[[PendingStats, Optional[str]], None]) -> None:
     """Undoes ``add_recorder(recorder)`` (``recorder`` or an equal callable,
     such as the same bound method got again)."""
-    _local.recorders = tuple(r for r in recorders() if r != recorder)
+    _local.recorders = tuple(r for r in _local.recorders if r != recorder)
 
 
 def _resolve_dtype(x, dtype):

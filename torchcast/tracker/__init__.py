@@ -25,8 +25,9 @@ import warnings
 from typing import Any, Optional
 
 from ..cast import (
-    PrecisionLossError, PrecisionWarning, add_recorder, check_policy, check_tolerance, get_policy,
-    graph_cut_message, is_violation, remove_recorder, violation_message,
+    PrecisionLossError, PrecisionWarning, add_other_thread_recorder, add_recorder, check_policy,
+    check_tolerance, get_policy, graph_cut_message, is_violation, remove_other_thread_recorder,
+    remove_recorder, set_all_casts_track, violation_message,
 )
 from ..stats import PendingStats
 from ..violations import Violations, ViolationsSpec
@@ -226,6 +227,8 @@ class track:
             compiled.install()
             push_mode(recording)
             watch_other_threads(recording)
+            add_other_thread_recorder(recording.record_safe_to)
+            set_all_casts_track(True)
         if self.nonfinite_action is not None:
             watch = NonFiniteWatch(self.nonfinite_action)
             recording.watch = recording.report.nonfinite_watch = watch
@@ -256,6 +259,8 @@ class track:
                     pop_mode(watch=recording.watch)
                 recording.watch.flush()
             if self.all_casts:
+                remove_other_thread_recorder(recording.record_safe_to)
+                set_all_casts_track(False)
                 unwatch_other_threads(recording)
                 try:
                     pop_mode(recording)
