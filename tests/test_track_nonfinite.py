@@ -414,3 +414,16 @@ def test_the_cpp_watch_leaves_the_profiler_every_op():
             torch.mm(torch.randn(2, 3), torch.randn(2, 3))
         assert _profiled_ops(x.half) == alone
     assert _profiled_ops(x.half) == alone
+
+
+@pytest.mark.parametrize("action", ["record", "warn"])
+def test_the_wider_rerun_is_not_recorded_as_a_cast(action):
+    # The note's rerun in float64 is the tracker's work, not the program's:
+    # an all_casts track beside the watch must not record its casts.
+    x = torch.full((3,), 3e38)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torchcast.track(all_casts=True, nonfinite=action) as report:
+            x * 10
+    assert report.records == []
+    assert "float32's range overflowed" in report.first_nonfinite.note

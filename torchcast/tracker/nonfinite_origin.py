@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._inputs import PLAIN_TENSOR_TYPES
@@ -169,7 +170,9 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor,
             return a.detach().to(wider)
         return a
     try:
-        with torch.no_grad():
+        # The tracker's own work: no dispatch mode (track(all_casts=True)'s
+        # records, the program's own) sees the widening casts or the rerun.
+        with torch.no_grad(), _disable_current_modes():
             again = func(*tree_map(widen, args), **tree_map(widen, kwargs))
     except Exception:  # the op may not take the wider dtype: then there is nothing to tell
         return ""
