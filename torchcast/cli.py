@@ -79,6 +79,16 @@ def _check_writable(parser, option, path):
                      "in a writable directory")
 
 
+def _uses_compile(script: str) -> bool:
+    """Whether the script's text calls torch.compile (or any ``compile(``):
+    then Dynamo is imported before the track starts."""
+    try:
+        with open(script, encoding="utf-8", errors="replace") as f:
+            return "compile(" in f.read()
+    except OSError:
+        return False
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -164,6 +174,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isfile(opts.script):
         print(f"python -m torchcast track: no such script: {opts.script}", file=sys.stderr)
         return 2
+    if _uses_compile(opts.script):
+        # The track installs its pass that measures the casts inside compiled
+        # graphs only in a process that has imported Dynamo (importing it
+        # costs a second, which a script that never compiles should not pay).
+        import torch._dynamo  # noqa: F401
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [opts.script] + opts.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))

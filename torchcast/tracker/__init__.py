@@ -39,6 +39,7 @@ from .health import HealthWatch
 from . import nonfinite
 from .nonfinite import NonFiniteWatch, check_action
 from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
+from .regions import RegionWatch
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
 from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,
@@ -58,6 +59,7 @@ class _Recording:
         self.watch = None  # the non-finite watch of track(nonfinite=...)
         self.watch_in_cpp = False  # served by the C++ watch (nonfinite.checked_in_cpp)
         self.health = None  # the module health of track(health=True)
+        self.regions = None  # the compiled regions that run in the block (regions.py)
 
     def _in_worker(self):
         spool = self.spool
@@ -240,6 +242,8 @@ class track:
         if self.health:
             recording.health = recording.report.health_watch = HealthWatch()
             recording.health.start()
+        recording.regions = RegionWatch(self.all_casts, self.nonfinite_action is not None,
+                                        self.health, compiled.instrumenting())
         if self.all_casts or self.nonfinite_action is not None:
             # Where processes forked in the block (DataLoader workers) leave
             # their casts and non-finite origins for this one.
@@ -250,6 +254,7 @@ class track:
     def __exit__(self, *exc: Any) -> bool:
         recording, self._recording = self._recording, None
         try:
+            recording.report.compiled_regions = recording.regions.stop()
             if recording.health is not None:
                 recording.health.stop()
             if recording.watch is not None:

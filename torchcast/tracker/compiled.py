@@ -289,6 +289,13 @@ def warn_uninstrumented() -> None:
             "them compiled again, measured.", RuntimeWarning, stacklevel=3)
 
 
+def instrumenting() -> bool:
+    """Whether Inductor's graph pass that measures compiled casts is
+    installed now (an all_casts track is active in a process that had
+    imported Dynamo when the first one entered)."""
+    return _installed.ours is not None
+
+
 def install() -> None:
     """Instruments the casts of every graph Inductor compiles in a thread
     with an active all_casts track, until ``uninstall()`` (reference-counted)."""

@@ -268,6 +268,20 @@ def _headroom(data: Dict[str, Any]) -> str:
     return page
 
 
+def _regions(data: Dict[str, Any]) -> str:
+    regions = data.get("compiled_regions")
+    if not regions:
+        return ""
+    rows = "".join(
+        f"<li><code>{_e(r['compile_id'])}</code> "
+        f"<code>{_e(r.get('function') or '?')}</code> "
+        f"({_e(short_path(r['file']) if r.get('file') else '?')}:{_e(r.get('line'))})"
+        f"{_e(', compiled and run in this track' if r.get('compiled_in_track') else ', compiled before this track (if it ran in it)')}: not watched: "
+        f"{_e('; '.join(r['unwatched']))}</li>" for r in regions)
+    return (f"<h2>Not watched: {_count(len(regions), 'torch.compile region')}</h2>"
+            f"<ul>{rows}</ul>")
+
+
 def render_html(data: Dict[str, Any]) -> str:
     """The page for a report.
 
@@ -285,10 +299,13 @@ def render_html(data: Dict[str, Any]) -> str:
         summary.append(f"{_count(len(origins), 'op')} made NaN/inf from finite inputs")
     if data.get("health"):
         summary.append(f"{len(data['health'])} module outputs and gradients measured")
+    if data.get("compiled_regions"):
+        summary.append(f"{len(data['compiled_regions'])} compiled regions not fully watched "
+                       "(listed at the end)")
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<title>torchcast report</title>"
             f"<style>{_CSS}</style></head><body><h1>torchcast report</h1>"
             f'<div class="summary">{_e(" · ".join(summary))} · violations: '
             f"{_e(data.get('violations', ''))}</div>"
-            + _origins(data) + _casts(data) + _health(data) + _headroom(data)
+            + _origins(data) + _casts(data) + _health(data) + _headroom(data) + _regions(data)
             + "</body></html>")

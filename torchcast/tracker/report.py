@@ -19,6 +19,7 @@ from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHea
 from .html import render_html
 from .nonfinite import NonFiniteWatch
 from .nonfinite_origin import NonFiniteOrigin
+from .regions import CompiledRegion
 from .sites import short_path
 from .tensorboard import write_tensorboard
 
@@ -223,6 +224,9 @@ class Report:
         self.kinds = Violations(violations)
         self.nonfinite_watch: Optional[NonFiniteWatch] = None
         self.health_watch: Optional[HealthWatch] = None
+        # torch.compile'd regions that ran in the block with something this
+        # track could not watch inside them (regions.py).
+        self.compiled_regions: List[CompiledRegion] = []
         self._sites = {}
         self._lock = threading.Lock()
 
@@ -379,7 +383,8 @@ class Report:
                 f"{bad} with violations (worst first)")
         if not records:  # a track that only watches says nothing of casts
             only_watching = lines or self.health_watch is not None
-            return "\n".join((lines if only_watching else [head]) + self._health_lines())
+            return "\n".join((lines if only_watching else [head]) + self._health_lines()
+                             + self._region_lines())
         rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
                  "violations", "notes")]
         for r in shown:
@@ -408,10 +413,19 @@ class Report:
             lines.append(f"... {len(records) - len(shown)} more sites")
         for up, back in self.undone_upcasts():
             lines.append(f"{up.site}: {undone_upcast_message(up)}")
-        return "\n".join(lines + self._health_lines())
+        return "\n".join(lines + self._health_lines() + self._region_lines())
 
     def _health_lines(self):
         return health_lines(self.health_watch) if self.health_watch is not None else []
+
+    def _region_lines(self):
+        regions = self.compiled_regions
+        if not regions:
+            return []
+        n = len(regions)
+        return ([f"torchcast.track: {n} torch.compile'd region{'s' if n != 1 else ''} with "
+                 "what this track could not watch inside:"]
+                + [f"  {r.describe()}" for r in regions])
 
     def __str__(self) -> str:
         return self.table()
@@ -441,6 +455,8 @@ class Report:
         if self.nonfinite_watch is not None:
             data["nonfinite"] = [o.to_dict() for o in self.nonfinite]
             data["propagated"] = self.propagated
+        if self.compiled_regions:
+            data["compiled_regions"] = [r.to_dict() for r in self.compiled_regions]
         if self.health_watch is not None:
             # On the host once: each row is read for 8 headroom entries.
             rows = [dataclasses.replace(r, health=r.health.cpu()) for r in self.health]
@@ -524,6 +540,8 @@ class Report:
             for d in data["nonfinite"]:
                 origin = _origin_from_dict(d)
                 watch.origins[origin.key] = origin
+        report.compiled_regions = [CompiledRegion.from_dict(d)
+                                   for d in data.get("compiled_regions", ())]
         if "health" in data:
             rows = [dict(d, **{k: float_from_json(d[k], f"a health row's {k}")
                                for k in ("amax", "min_nonzero")}) for d in data["health"]]

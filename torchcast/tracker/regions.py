@@ -1,0 +1,139 @@
+"""The torch.compile'd regions a track could not watch inside, so that a
+report names them instead of missing them silently.
+
+Inside a region compiled by Inductor, the ops it fuses into its kernels
+never reach the dispatcher: the non-finite watch checks only the ops it
+calls as kernels of their own (matmuls, convolutions), the hooks of the
+modules inside do not run (no health rows), and casts are measured only if
+the region was compiled while a track(all_casts=True) was active
+(compiled.py's graph pass).
+
+Which regions: Dynamo's compilation metrics list every compiled frame with
+its compile id and function. A region compiled during the track ran in it
+(Dynamo compiles at the first call); one compiled before may have run in it
+(no record of its runs exists outside the profiler), and the report says
+which of the two each is. Frames of torchcast's own code (its module hooks,
+which Dynamo compiles as frames of their own around a graph break) are left
+out.
+"""
+import dataclasses
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from .sites import short_path
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+# Compile ids compiled while some track(all_casts=True) was active: their
+# casts are measured (compiled.py instruments them).
+_instrumented = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledRegion:
+    """A torch.compile'd region around a track, and what the track could not
+    watch inside it.
+
+    ``compile_id`` is Dynamo's ("0/0"); ``function``, ``file``, ``line`` the
+    compiled code's; ``compiled_in_track``: compiled in the block, so it ran
+    there (else compiled before it, and it may have run there);
+    ``unwatched`` what the track could not see inside it.
+    """
+
+    compile_id: str
+    function: Optional[str]
+    file: Optional[str]
+    line: Optional[int]
+    compiled_in_track: bool
+    unwatched: Tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line: which region, whether it ran, and what was not watched."""
+        where = f"{self.function} ({short_path(self.file)}:{self.line})" if self.file else \
+            (self.function or "?")
+        ran = "compiled and run in this track" if self.compiled_in_track else \
+            "compiled before this track (if it ran in it)"
+        return (f"compiled region {self.compile_id}, {where}, {ran}: not watched: "
+                + "; ".join(self.unwatched))
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["unwatched"] = list(self.unwatched)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "CompiledRegion":
+        return cls(d["compile_id"], d.get("function"), d.get("file"), d.get("line"),
+                   bool(d.get("compiled_in_track")), tuple(d.get("unwatched", ())))
+
+
+def _compiled_functions() -> Dict[str, Tuple[str, str, int]]:
+    """{compile id: (function, file, first line)} from Dynamo's compilation
+    metrics (empty where Dynamo is not imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+        metrics = get_compilation_metrics()
+    except (ImportError, AttributeError):  # pragma: no cover - another torch
+        return {}
+    return {str(m.compile_id): (m.co_name, m.co_filename, m.co_firstlineno)
+            for m in metrics if m.compile_id is not None}
+
+
+class RegionWatch:
+    """The compiled regions around one track: those compiled before it
+    (which may run in it) and those compiled in it."""
+
+    def __init__(self, all_casts: bool, nonfinite: bool, health: bool, instrumenting: bool):
+        """Args: the track's features, and whether compiled.py's cast pass
+        is installed as it enters (then the casts of what it compiles are
+        measured)."""
+        self.features = (all_casts, nonfinite, health)
+        self.instrumenting = instrumenting
+        self.compiled_before = set(_compiled_functions())
+
+    def stop(self) -> List[CompiledRegion]:
+        """The regions with something this track could not watch inside,
+        in compile-id order."""
+        functions = _compiled_functions()
+        compiled_here = set(functions) - self.compiled_before
+        all_casts, nonfinite, health = self.features
+        if all_casts and self.instrumenting:
+            _instrumented.update(compiled_here)
+        regions = []
+        for compile_id in sorted(functions, key=_id_order):
+            function, file, line = functions[compile_id]
+            missed = _unwatched(compile_id, all_casts, nonfinite, health)
+            if missed and not _own_code(file):
+                regions.append(CompiledRegion(compile_id, function, file, line,
+                                              compile_id in compiled_here, missed))
+        return regions
+
+
+def _own_code(file: Optional[str]) -> bool:
+    return file is not None and os.path.abspath(file).startswith(_PACKAGE_DIR)
+
+
+def _id_order(compile_id: str):
+    parts = compile_id.split("/")
+    return tuple(int(p) if p.isdigit() else 0 for p in parts)
+
+
+def _unwatched(compile_id: str, all_casts: bool, nonfinite: bool, health: bool) -> Tuple[str, ...]:
+    missed = []
+    if all_casts and compile_id not in _instrumented:
+        missed.append("its casts (compiled outside any track(all_casts=True), or inside one "
+                      "entered before torch.compile was first used: Inductor's kernels cast "
+                      "without dispatching; torch.compiler.reset() before a track entered after "
+                      "torch.compile has it compiled again, measured)")
+    if nonfinite:
+        missed.append("NaN/inf made inside the kernels Inductor fuses (the ops it runs as kernels "
+                      "of their own, such as matmuls, are checked)")
+    if health:
+        missed.append("the health of the modules inside it (their hooks do not run)")
+    return tuple(missed)
+
+
+__all__ = ["CompiledRegion", "RegionWatch"]
