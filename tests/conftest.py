@@ -1,11 +1,6 @@
-import os
-import sys
-
 import pytest
 import torch
 from hypothesis import settings
-
-sys.path.insert(0, os.path.dirname(__file__))  # numpy_ref and other test helpers
 
 settings.register_profile("torchcast", deadline=None, print_blob=True)
 settings.load_profile("torchcast")
@@ -21,13 +16,50 @@ def pytest_configure(config):
         "runs them on CUDA only")
 
 
+_DESELECTED = {}
+
+
+def _deselect_reason(item):
+    """Why a collected case is not run on this machine, or None: cases that
+    can only skip here are deselected (and counted in one summary line)
+    rather than listed as hundreds of skips."""
+    cuda = torch.cuda.is_available()
+    params = getattr(item, "callspec", None)
+    device = params.params.get("device") if params is not None else None
+    if device == "cuda" and not cuda:
+        return "CUDA cases: no CUDA device on this machine"
+    if device == "cpu" and item.get_closest_marker("cuda_cases"):
+        return "cases written for the CUDA kernels, on the CPU (it runs its own cases)"
+    if item.module.__name__ == "test_cuda" and not cuda:
+        return "tests/test_cuda.py: no CUDA device on this machine"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, dropped = [], []
+    for item in items:
+        reason = _deselect_reason(item)
+        if reason is None:
+            keep.append(item)
+        else:
+            dropped.append(item)
+            _DESELECTED[reason] = _DESELECTED.get(reason, 0) + 1
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter):
+    for reason, n in sorted(_DESELECTED.items()):
+        terminalreporter.write_line(f"torchcast: {n} deselected: {reason}")
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=needs_cuda)])
 def device(request):
     """The device a test runs its op on. The references stay on the CPU; off
     the CPU the op's results must also equal the CPU op's, bit for bit.
 
-    Cases marked cuda_cases are skipped on the CPU, which keeps its own cases
-    and its time; they pass there too, should they ever be wanted."""
-    if request.param == "cpu" and request.node.get_closest_marker("cuda_cases"):
-        pytest.skip("a case written for the CUDA kernels; the CPU runs its own cases")
+    Cases marked cuda_cases are not run on the CPU (pytest_collection_modifyitems
+    deselects them), which keeps its own cases and its time; they pass there
+    too, should they ever be wanted."""
     return request.param
