@@ -14,7 +14,10 @@ bytes per parameter; plus a regression whose updates fall below half an ulp
 
     PYTHONPATH=. python benchmarks/bench_adam.py [--speed] [--accuracy] [--rounds N]
 
-Writes benchmarks/results/adam.md (speed) and benchmarks/results/adam_accuracy.md.
+Writes benchmarks/results/adam.md (speed) and benchmarks/results/adam_accuracy.md,
+and with matplotlib installed (``pip install matplotlib``) the accuracy run's
+held-out loss against steps as docs/img/adam_accuracy.png (every picture in
+the docs is drawn by the script that measured its data).
 """
 import argparse
 import copy
@@ -31,6 +34,10 @@ import torchcast
 from torchcast.optim import AdamW
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PICTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "img")
+# Held-out loss is read every CURVE_EVERY steps for the loss-against-steps picture.
+CURVE_EVERY = 100
 
 
 def timed(fn):
@@ -198,7 +205,8 @@ LM_RUNS = [
 ]
 
 
-def train_lm(vocab, train, dtype, kind, lr):
+def train_lm(vocab, train, dtype, kind, lr, held):
+    """(init, trained model, [(step, held-out loss)] every CURVE_EVERY steps)."""
     torch.manual_seed(0)
     init = CharMLP(vocab).double()
     model = copy.deepcopy(init).to(dtype)
@@ -209,7 +217,8 @@ def train_lm(vocab, train, dtype, kind, lr):
         opt = torch.optim.Adam(master, lr=lr)
     else:
         opt = torchcast.optim.Adam(model.parameters(), lr=lr, **kind)
-    for x, y in train:
+    curve = [(0, held_out_loss(vocab, model, held))]
+    for step, (x, y) in enumerate(train, 1):
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
         loss.backward()
         if kind == "master":
@@ -223,7 +232,9 @@ def train_lm(vocab, train, dtype, kind, lr):
         else:
             opt.step()
             opt.zero_grad()
-    return init, model
+        if step % CURVE_EVERY == 0:
+            curve.append((step, held_out_loss(vocab, model, held)))
+    return init, model, curve
 
 
 def flat(model):
@@ -238,14 +249,16 @@ def held_out_loss(vocab, model, held):
 
 
 def lm_table(steps, lrs):
+    """(the table's text, {lr: {label: curve}})."""
     vocab, train, held = lm_data(steps)
-    rows = []
+    rows, curves = [], {}
     for lr in lrs:
         results = {}
         for label, dtype, kind, nbytes in LM_RUNS:
             t0 = time.perf_counter()
-            init, model = train_lm(vocab, train, dtype, kind, lr)
+            init, model, curve = train_lm(vocab, train, dtype, kind, lr, held)
             results[label] = (model, nbytes, time.perf_counter() - t0)
+            curves.setdefault(lr, {})[label] = curve
         ref64 = flat(results["float64, torch Adam"][0])
         moved = (ref64 - flat(init)).norm().item()
         base = held_out_loss(vocab, results["float32, torch Adam (reference)"][0], held)
@@ -268,7 +281,42 @@ def lm_table(steps, lrs):
     for lr, label, loss, pct, dist, nbytes, secs in rows:
         lines.append(f"| {lr:g} | {label} | {loss:.4f} | {pct:+.2f}% | {dist:.2e} | {nbytes} "
                      f"| {secs:.1f} |")
-    return "\n".join(lines)
+    return "\n".join(lines), curves
+
+
+# The runs the picture draws: the references, plain 16-bit and the compensated ones.
+PLOTTED = ("float32, torch Adam (reference)", "bfloat16, torch Adam",
+           "bfloat16, ours uncompensated", "bfloat16, ours kahan", "bfloat16, ours remainder",
+           "bfloat16 + float32 master, torch Adam")
+
+
+def plot_curves(curves, path):
+    """Held-out loss against steps, one panel per lr (matplotlib; skipped,
+    with a line saying so, where it is not installed)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.2), squeeze=False)
+    for ax, (lr, runs) in zip(axes[0], sorted(curves.items(), reverse=True)):
+        for label in PLOTTED:
+            steps, losses = zip(*runs[label])
+            ax.plot(steps, losses, label=label,
+                    linestyle="--" if "float32" in label and "master" not in label else "-")
+        ax.set_title(f"lr {lr:g}")
+        ax.set_xlabel("Adam steps")
+        ax.set_ylabel("held-out loss (float32)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Character-level LM: bfloat16 weights with and without compensation "
+                 "(benchmarks/bench_adam.py --accuracy)", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def regression_case(steps, lr, hidden=None):
@@ -318,7 +366,10 @@ def regression_case(steps, lr, hidden=None):
 
 def accuracy(steps=2000):
     print("language model:", flush=True)
-    lm = lm_table(steps, [1e-3, 1e-5])
+    lm, curves = lm_table(steps, [1e-3, 1e-5])
+    # Drawn whatever the load: the losses do not depend on it (the table's
+    # seconds do, and protocol.Run decides whether the table is written).
+    plot_curves(curves, os.path.join(PICTURES, "adam_accuracy.png"))
     cases = [("linear regression, weights near 1 (updates below half an ulp)", 3000, 2e-8,
               None),
              ("32-64-1 MLP, ordinary lr", 3000, 1e-3, 64)]
