@@ -357,7 +357,8 @@ TC_HD double scaled_to_odd(double x, float scale) {
 // saturate: x beyond the target's range (rounding past its largest finite
 // value, or +-inf) becomes that largest value, with x's sign.
 // A scaled cast rounds x * scale (scaled_to_odd) and measures y / scale
-// (rounded once, in From: exact for a power-of-two scale) against x; its
+// (rounded once, in From: exact for a power-of-two scale; in double where it
+// overflows From) against x; its
 // overflow, saturation, underflow and subnormal results are y's.
 // The terms of the sums, (x - y)^2 and x^2, are formed in Term: From on
 // CUDA, float64 on the CPU, where the square of a float32 error or x is exact
@@ -405,8 +406,18 @@ struct ElementMeasure {
     subnormal = (yw != 0.f) & (fabsf(yw) < Target::min_normal);
     amax = x_finite ? fabs(x) : From(0);
     // x - back is exact where back is x rounded to a narrower format; a
-    // saturated x may be far from back, and then it is rounded once.
-    abs_err = measured ? fabs(x - back) : From(0);
+    // saturated x may be far from back, and then it is rounded once. A
+    // finite y read back past From's range (a float32 x near its largest,
+    // scale < 1: y / scale overflows float32) is read back in double, where
+    // it fits, and its error rounded once to From.
+    From err = fabs(x - back);
+    if constexpr (kScaled && sizeof(From) < sizeof(double)) {
+      const bool back_over = y_finite & !((back - back) == From(0));
+      const From wide = static_cast<From>(
+          fabs(static_cast<double>(x) - static_cast<double>(yw) / static_cast<double>(scale)));
+      err = back_over ? wide : err;
+    }
+    abs_err = measured ? err : From(0);
     const From denom = (measured & (x != From(0))) ? fabs(x) : From(1);
     rel_err = abs_err / denom;
     sq_err = static_cast<Term>(abs_err) * static_cast<Term>(abs_err);

@@ -148,3 +148,19 @@ def test_a_lost_element_never_reads_as_a_zero_error():
     torchcast.safe_to(x, torch.float16, scale=torch.tensor(2.0 ** -149), policy="ignore")
     stats = torchcast.last_stats()
     assert stats.underflow == 100 and stats.max_abs_err == 2.0 and stats.max_rel_err == 1.0
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_a_read_back_past_float32s_range_has_a_finite_error(impl):
+    # y is finite, y / scale overflows float32 (x near float32's largest,
+    # scale < 1): the error is |x - y / scale|, exactly, not inf.
+    from torchcast._reference import cast as cast_reference
+    cast = torchcast.cast_with_stats if impl == "kernel" else cast_reference.cast_with_stats
+    x = torch.tensor([float.fromhex("0x1.fffffcp+127"), 1.0])
+    y, stats = cast(x, torch.bfloat16, scale=torch.tensor(0.5))
+    s = torchcast.CastStats.from_values(stats.tolist(), torch.float32, torch.bfloat16)
+    want = abs(Fraction(x[0].item()) - Fraction(y[0].float().item()) * 2)  # y / scale
+    assert y[0].float().item() == 2.0 ** 127 and s.overflow == 0
+    assert s.max_abs_err == float(want) and math.isfinite(s.sum_sq_err)
+    # relative: that error over |x|, in float32 as the stats' other terms of a float32 x
+    assert s.max_rel_err == (torch.tensor(float(want)) / x[0]).item()

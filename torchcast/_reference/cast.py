@@ -213,7 +213,13 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     zero = torch.zeros((), dtype=xf.dtype, device=x.device)
     x_finite, y_finite = torch.isfinite(xf), torch.isfinite(yw)
     measured = x_finite & y_finite
-    abs_err = torch.where(measured, (xf - back).abs(), zero)
+    err = (xf - back).abs()
+    if scale is not None and xf.dtype != torch.float64:
+        # y / scale past float32's range while y is finite: read back in
+        # float64, the error rounded once (csrc/numerics.h's ElementMeasure).
+        wide = (xf.double() - yw.double() / scale.reshape(()).double()).abs().to(xf.dtype)
+        err = torch.where(y_finite & ~torch.isfinite(back), wide, err)
+    abs_err = torch.where(measured, err, zero)
     denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))
     rel_err = abs_err / denom
     n = xf.numel()
