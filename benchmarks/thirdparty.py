@@ -1,12 +1,16 @@
 """Models nobody here wrote, for the tracker benchmark: torchvision's
 resnet18 and a 2-layer GPT-2 from transformers (random init).
 
-Installed beside the benchmark, without dependencies, so that torch stays
-the pinned one (torchvision's wheel needs its own torch build for its
-compiled ops, so only its pure-Python model code is loaded):
+Installed without dependencies, so that torch stays the pinned one
+(torchvision's wheel needs its own torch build for its compiled ops, so
+only its pure-Python model code is loaded), into the folder named by the
+environment variable TORCHCAST_THIRDPARTY (default: benchmarks/.thirdparty,
+beside this file; a relative path is taken from the current directory).
+From the repository root:
 
-    pip install --no-deps --target benchmarks/.thirdparty/vision torchvision==0.28.0 pillow==13.0.0
-    pip install --no-deps --target benchmarks/.thirdparty/hf transformers==5.25.0 \\
+    DIR=${TORCHCAST_THIRDPARTY:-benchmarks/.thirdparty}
+    pip install --no-deps --target "$DIR/vision" torchvision==0.28.0 pillow==13.0.0
+    pip install --no-deps --target "$DIR/hf" transformers==5.25.0 \\
         huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 pyyaml==6.0.4 \\
         regex==2026.11.19 tqdm==4.70.1 typer==0.29.2 kernels==0.19.1 httpx==0.29.0 \\
         httpx2==2.16.2 httpcore==1.0.9 httpcore2==2.16.2 anyio==4.16.0 h11==0.16.0 \\
@@ -25,7 +29,8 @@ import types
 
 import torch
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".thirdparty")
+HERE = os.path.abspath(os.environ.get("TORCHCAST_THIRDPARTY") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), ".thirdparty"))
 
 
 def available() -> bool:

@@ -17,10 +17,10 @@ import torchcast
 from torchcast import _ops
 from torchcast._reference import cast as cast_ref
 
+from adam_common import adam_kw, assert_same_bits, make_operands, operands_on
+from cast_common import assert_same, bits, sample
 from devices import on_device
-from test_adam import adam_kw, assert_same_bits, make_operands, operands_on
-from test_cast import assert_same, bits, sample
-from test_reduce import assert_matches, spread_sample
+from reduce_common import assert_matches, spread_sample
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device on this machine")

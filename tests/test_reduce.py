@@ -20,35 +20,12 @@ from torchcast._reference import order
 from torchcast._reference import reduce as R
 
 from devices import on_device
+from reduce_common import assert_bitwise, assert_matches, spread_sample
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 U32 = 2.0 ** -24  # float32 unit roundoff
 U64 = 2.0 ** -53
 OPS = {"sum": torchcast.kahan_sum, "mean": torchcast.kahan_mean}
-
-
-def bits(t):
-    """The raw bytes of t, so that equality is bit equality (NaNs and -0 included)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bitwise(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    assert torch.equal(bits(a), bits(b)), (a, b)
-
-
-def assert_matches(got, want):
-    """got, the op's result on any device, equals want (on the CPU) bit for
-    bit. Off the CPU NaNs compare by position: x86 keeps an operand's payload,
-    CUDA makes the canonical NaN."""
-    if got.device.type == "cpu":
-        assert_bitwise(got, want)
-        return
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype)
-    got = got.cpu()
-    nan = torch.isnan(want)
-    assert torch.equal(nan, torch.isnan(got)), (want, got)
-    assert torch.equal(bits(want[~nan]), bits(got[~nan])), (want, got)
 
 
 def ulp(v, dtype):
@@ -324,14 +301,6 @@ def test_scheme_sweep_matches_reference(device, layout, dim, scheme, dtype):
     x = layout((base * 100).to(dtype))
     assert R.plan(x, R.reduce_dims(x, dim))[2] == scheme
     assert_every_variant_matches_reference(x, dim, device)
-
-
-def spread_sample(shape, dtype, seed=0):
-    """Normal values scaled by powers of two from 2^-20 to 2^19."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g, dtype=torch.float64)
-    x = x * torch.exp2(torch.randint(-20, 20, shape, generator=g).double())
-    return x.to(dtype)
 
 
 SCHEME_SIZES = [  # (shape, view, dim, scheme), sized past one block, one chunk, one warp run

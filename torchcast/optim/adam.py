@@ -11,11 +11,12 @@ from torch.optim.optimizer import ParamsT
 
 from .. import _ops
 from .._reference import adam as adam_reference
+from . import _validation
+from ._validation import is_dtensor, real_dtype
 
 __all__ = ["Adam", "AdamW"]
 
 _NARROW = (torch.bfloat16, torch.float16)
-_STATE_DTYPES = (None, torch.float32, torch.bfloat16)
 _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
                torch.float64: torch.complex128}
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -28,142 +29,14 @@ _STATE_KEYS = {
     + {"none": (), "kahan": ("compensation",), "remainder": ("remainder",)}[mode]
     for mode in ("none", "kahan", "remainder") for ams in (False, True)
 }
-_DTENSOR = None  # torch.distributed.tensor.DTensor once looked up, False without it
-# torch's message names the hyperparameter this way (torch.optim.Adam.__init__).
-_INVALID = {"lr": "Invalid learning rate", "eps": "Invalid epsilon value",
-            "weight_decay": "Invalid weight_decay value",
-            "betas[0]": "Invalid beta parameter at index 0",
-            "betas[1]": "Invalid beta parameter at index 1"}
-
-
-def _real_dtype(t):
-    return t.real.dtype if t.is_complex() else t.dtype
 
 
 def _local(t):
     """The tensor the kernel works on: a DTensor's local shard, complex as
     (real, imag) pairs (as torch's Adam steps complex params)."""
-    if _is_dtensor(t):
+    if is_dtensor(t):
         t = t.to_local()
     return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _is_dtensor(t):
-    global _DTENSOR
-    if _DTENSOR is None:
-        _DTENSOR = False
-        if torch.distributed.is_available():
-            from torch.distributed.tensor import DTensor
-            _DTENSOR = DTensor
-    return _DTENSOR is not False and isinstance(t, _DTENSOR)
-
-
-def _describe(gi, i, p):
-    return f"param {i} of param group {gi} (shape {tuple(p.shape)}, {p.dtype})"
-
-
-def _fused_devices():
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    return _get_fused_kernels_supported_devices()
-
-
-_MISSING = object()
-_STEP_DTYPES = (torch.float32, torch.float64)
-
-
-def _overlaps(t):
-    """Whether two elements of t share memory (an expanded tensor: stride 0).
-    Called only for non-contiguous tensors; a DTensor is checked shard-wise
-    by its own ops."""
-    return not _is_dtensor(t) and torch._debug_has_internal_overlap(t) == 1
-
-
-def _what(value):
-    """A value described for an error message."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-    return f"{type(value).__name__} {value!r}"[:120]
-
-
-def _check_number(key, value, below_one=False):
-    """A hyperparameter the step reads: a number in range, or a 1-element
-    tensor (whose value is not read here)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"Tensor {key} must be 1-element")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{key} must be a number or a 1-element tensor, got {_what(value)}")
-    if not 0.0 <= value or (below_one and not value < 1.0):
-        raise ValueError(f"{_INVALID[key]}: {value}")
-
-
-def _check_foreach_tensors(lr, betas, foreach):
-    # torch.optim.Adam's rule and messages: its foreach step cannot take a
-    # tensor lr or tensor betas without capturable (which torchcast lacks).
-    if not foreach:
-        return
-    if isinstance(lr, torch.Tensor):
-        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor):
-            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
-                             "and foreach=True")
-
-
-def _check_differentiable_options(name, compensated, compensation, state_dtype):
-    """differentiable=True runs torch's own Adam step, which has none of the
-    torchcast options."""
-    bad = [f"{key}={value!r}" for key, value, default in (
-        ("compensated", compensated, (None, False)), ("compensation", compensation, ("kahan",)),
-        ("state_dtype", state_dtype, (None,))) if value not in default]
-    if bad:
-        raise ValueError(f"torchcast.optim.{name}: differentiable=True runs torch's own Adam "
-                         f"step, without compensation or other state dtypes; {', '.join(bad)} "
-                         "cannot be used with it (leave them at their defaults)")
-
-
-def _check_hyperparameter_types(where, lr, betas, eps, weight_decay):
-    """TypeError at construction for what the step refuses (_check_number)
-    and torch.optim.Adam does not say clearly: a bool lr, eps or
-    weight_decay, which torch takes as 0 or 1, and a value that is not a
-    number, which torch's range checks meet with "'<=' not supported".
-    ``where`` heads the message."""
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise TypeError(f"{where}: betas must be a pair of floats or of 1-element tensors, "
-                        f"got {_what(betas)}")
-    for key, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]),
-                       ("eps", eps), ("weight_decay", weight_decay)):
-        # A bool beta is left to torch's range checks, which refuse it with
-        # torch's ValueError.
-        bool_refused = not key.startswith("betas")
-        if isinstance(value, torch.Tensor) or (
-                isinstance(value, (int, float)) and not (bool_refused and isinstance(value, bool))):
-            continue
-        raise TypeError(f"{where}: {key} must be a float or a 1-element tensor, got "
-                        f"{_what(value)}; pass a float")
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay):
-    # torch.optim.Adam's checks and messages.
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not (all(isinstance(b, float) for b in betas)
-            or all(isinstance(b, torch.Tensor) for b in betas)):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor) and b.numel() != 1:
-            raise ValueError(f"Tensor betas[{i}] must be 1-element")
 
 
 @dataclasses.dataclass(slots=True)
@@ -295,18 +168,10 @@ class Adam(Optimizer):
         name = type(self).__name__
         if isinstance(betas, torch.Tensor) and betas.dim() == 1:
             betas = tuple(betas)  # torch takes a 2-element tensor as two tensor betas
-        _check_hyperparameter_types(f"torchcast.optim.{name}", lr, betas, eps, weight_decay)
-        _check_hyperparameters(lr, betas, eps, weight_decay)
-        _check_foreach_tensors(lr, betas, foreach)
-        if capturable:
-            raise RuntimeError(f"torchcast.optim.{name} does not support capturable=True "
-                               "(CUDA graph capture); use torch.optim." + name)
-        if fused and differentiable:
-            raise RuntimeError("`fused` does not support `differentiable`")
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        if differentiable:
-            _check_differentiable_options(name, compensated, compensation, state_dtype)
+        _validation.check_arguments(
+            name, lr, betas, eps, weight_decay, foreach=foreach, fused=fused,
+            capturable=capturable, differentiable=differentiable, compensated=compensated,
+            compensation=compensation, state_dtype=state_dtype)
         self._valid_configs = set()  # (options, dtype) already checked by _check_param
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, compensated=compensated,
@@ -334,9 +199,9 @@ class Adam(Optimizer):
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
         try:
-            _check_hyperparameter_types(f"torchcast.optim.{type(self).__name__}: param group {gi}",
-                                        group["lr"], group["betas"], group["eps"],
-                                        group["weight_decay"])
+            _validation.check_hyperparameter_types(
+                f"torchcast.optim.{type(self).__name__}: param group {gi}", group["lr"],
+                group["betas"], group["eps"], group["weight_decay"])
             for i, p in enumerate(group["params"]):
                 self._check_param(group, gi, i, p)
         except (TypeError, ValueError):
@@ -367,47 +232,20 @@ class Adam(Optimizer):
     def _state_dtype(group, p):
         if group["differentiable"]:
             return p.dtype  # torch's own step keeps states in the param's dtype
-        dtype = _real_dtype(p)
+        dtype = real_dtype(p)
         sd = group["state_dtype"] if group["state_dtype"] is not None else torch.float32
         sd = sd if dtype in _NARROW else dtype
         return _COMPLEX_OF[sd] if p.is_complex() else sd
 
     def _check_param(self, group, gi, i, p):
+        """The param fits its group's options (once per combination of
+        options and dtype)."""
         key = (group["compensated"], group["compensation"], group["state_dtype"], p.dtype,
                group["differentiable"])
         if key in self._valid_configs:
             return
-        name = type(self).__name__
-        where = _describe(gi, i, p)
-        if group["differentiable"]:
-            try:
-                _check_differentiable_options(name, group["compensated"], group["compensation"],
-                                              group["state_dtype"])
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-        if not (p.is_floating_point() or p.is_complex()):
-            raise TypeError(f"torchcast.optim.{name}: {where} is not floating point; "
-                            "only floating-point params can be optimized")
-        if group["compensation"] not in ("kahan", "remainder"):
-            raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan' or "
-                             f"'remainder', got {group['compensation']!r}")
-        if group["state_dtype"] not in _STATE_DTYPES:
-            raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype must be None, "
-                             f"torch.float32 or torch.bfloat16, got {group['state_dtype']}")
-        dtype = _real_dtype(p)
-        mode = self._mode(group, dtype)
-        if mode == "kahan" and dtype == torch.float64:
-            raise ValueError(f"torchcast.optim.{name}: {where}: compensation is for float32, "
-                             "bfloat16 and float16 params; float64 needs none "
-                             "(pass compensated=None or False)")
-        if mode == "remainder" and (dtype != torch.bfloat16 or p.is_complex()):
-            raise ValueError(
-                f"torchcast.optim.{name}: {where}: compensation='remainder' holds float32 "
-                "master weights as bfloat16 + int16 and needs bfloat16 params; use "
-                "compensation='kahan' for this one (e.g. in its own param group)")
-        if p.is_complex() and dtype in _NARROW and group["state_dtype"] == torch.bfloat16:
-            raise ValueError(f"torchcast.optim.{name}: {where}: there is no complex bfloat16 "
-                             "for the states of a complex param; use state_dtype=None")
+        _validation.check_param(type(self).__name__, group, gi, i, p,
+                                self._mode(group, real_dtype(p)))
         self._valid_configs.add(key)
 
     @staticmethod
@@ -439,7 +277,7 @@ class Adam(Optimizer):
         for key in _MOMENTS[:3 if group["amsgrad"] else 2]:
             if key not in state:
                 state[key] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-        mode = self._mode(group, _real_dtype(p))
+        mode = self._mode(group, real_dtype(p))
         if mode == "kahan" and "compensation" not in state:
             state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if mode == "remainder" and "remainder" not in state:
@@ -459,9 +297,10 @@ class Adam(Optimizer):
         cast_grads) before anything is written: a step that raises changes no
         param, state or step count. Only Python attribute checks: no kernels,
         no device synchronization."""
+        name = type(self).__name__
         work = []
         for gi, group in enumerate(self.param_groups):
-            self._check_group(group, gi)
+            _validation.check_group(name, group, gi)
             items = []
             for i, p in enumerate(group["params"]):
                 g = p.grad
@@ -469,10 +308,9 @@ class Adam(Optimizer):
                     continue
                 self._check_param(group, gi, i, p)
                 if group["fused"]:
-                    self._check_fused(gi, i, p)
-                g = self._checked_grad(group, gi, i, p, g)
-                if not p.is_contiguous() and _overlaps(p):
-                    raise self._overlap_error(_describe(gi, i, p), p)
+                    _validation.check_fused(name, gi, i, p)
+                g = _validation.checked_grad(name, group, gi, i, p, g)
+                _validation.check_param_memory(name, gi, i, p)
                 state = self.state.get(p)
                 if state:
                     self._check_state(group, gi, i, p, state)
@@ -480,111 +318,12 @@ class Adam(Optimizer):
             work.append((group, items))
         return work
 
-    def _check_group(self, group, gi):
-        """The group's hyperparameters as the step will read them: they may
-        have been changed since construction (schedulers, user code). A
-        tensor's value is not read (that would be a kernel, or a device sync)."""
-        betas = group["betas"]
-        try:
-            if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-                raise TypeError(f"betas must be a pair, got {betas!r}")
-            _check_number("lr", group["lr"])
-            _check_number("betas[0]", betas[0], below_one=True)
-            _check_number("betas[1]", betas[1], below_one=True)
-            _check_number("eps", group["eps"])
-            _check_number("weight_decay", group["weight_decay"])
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"torchcast.optim.{type(self).__name__}: param group {gi}: {e}; "
-                          "nothing was updated") from None
-
-    def _check_fused(self, gi, i, p):
-        """fused=True and a param that is stepped: torch's error (and message)
-        where torch has no fused kernel, torchcast's own where torchcast has none."""
-        if p.device.type not in _fused_devices() or not (p.is_floating_point()
-                                                          or p.is_complex()):
-            raise RuntimeError(
-                "`fused=True` requires all the params to be floating point Tensors of "
-                f"supported devices: {_fused_devices()} but {p.dtype} and {p.device.type} "
-                f"({_describe(gi, i, p)}); nothing was updated")
-        if not _ops.has_kernel("adam_step_", p.device):
-            raise RuntimeError(
-                f"torchcast.optim.{type(self).__name__}: fused=True but torchcast has no "
-                f"compiled Adam kernel for {p.device.type} ({_describe(gi, i, p)}); pass "
-                "fused=None to use the pure-PyTorch step there; nothing was updated")
-
-    def _checked_grad(self, group, gi, i, p, g):
-        """The grad the step uses: checked, and cast under cast_grads."""
-        name = type(self).__name__
-        if g.layout != torch.strided:
-            raise RuntimeError(
-                f"torchcast.optim.{name} does not support sparse gradients "
-                f"({_describe(gi, i, p)} has a {g.layout} grad), please consider "
-                "torch.optim.SparseAdam instead")
-        if g.dtype != p.dtype or g.device != p.device:
-            where = _describe(gi, i, p)
-            if not group["cast_grads"]:
-                raise RuntimeError(
-                    f"torchcast.optim.{name}: the grad of {where} is {g.dtype} on "
-                    f"{g.device} but the param is {p.dtype} on {p.device} (expected "
-                    f"scalar type {p.dtype} but found {g.dtype}); nothing was updated. "
-                    "Make the grad match its param, or pass cast_grads=True to cast "
-                    "it with torchcast.safe_to.")
-            from ..cast import safe_to
-            g = safe_to(g, p.dtype, name=f"grad of {where}").to(p.device)
-        if g.shape != p.shape:
-            raise RuntimeError(f"torchcast.optim.{name}: the grad of "
-                               f"{_describe(gi, i, p)} has shape {tuple(g.shape)}; "
-                               "nothing was updated")
-        return g
-
     def _check_state(self, group, gi, i, p, state):
-        """The param's existing state, as the step will use it. Missing
-        entries are fine (created on this step); present ones must fit. The
-        checks are attribute reads only; messages are built on failure."""
-        if not isinstance(state, dict):
-            raise TypeError(f"torchcast.optim.{type(self).__name__}: the state of "
-                            f"{_describe(gi, i, p)} is {_what(state)}, not a dict; nothing "
-                            "was updated")
-        mode = self._mode(group, _real_dtype(p))
-        moments = self._state_dtype(group, p)
-        shape, device = p.shape, p.device
-        for key in _STATE_KEYS[(mode, bool(group["amsgrad"]))]:
-            t = state.get(key, _MISSING)
-            if t is _MISSING:
-                continue
-            if key == "step":
-                if not (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in _STEP_DTYPES
-                        and t.numel() == 1):
-                    self._raise_bad_state(gi, i, p, key, t, None)
-                continue
-            want = (p.dtype if key == "compensation" else
-                    torch.int16 if key == "remainder" else moments)
-            if not (isinstance(t, torch.Tensor) and t.dtype == want and t.shape == shape
-                    and t.device == device and t.layout is torch.strided
-                    and (t.is_contiguous() or not _overlaps(t))):
-                self._raise_bad_state(gi, i, p, key, t, want)
-
-    def _raise_bad_state(self, gi, i, p, key, t, want):
-        name = type(self).__name__
-        where = f"state '{key}' of {_describe(gi, i, p)}"
-        if key == "step":
-            raise TypeError(f"torchcast.optim.{name}: {where} must be a one-element float32 "
-                            f"or float64 CPU tensor, got {_what(t)}; nothing was updated")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"torchcast.optim.{name}: {where} is {_what(t)}, expected a {want} "
-                            f"tensor of shape {tuple(p.shape)}; nothing was updated")
-        if t.layout is torch.strided and t.shape == p.shape and _overlaps(t):
-            raise self._overlap_error(where, t)
-        raise ValueError(
-            f"torchcast.optim.{name}: {where} is {_what(t)}, but must be a dense {want} tensor "
-            f"of shape {tuple(p.shape)} on {p.device}; nothing was updated (was a state dict "
-            "of another model loaded, or the state replaced by hand?)")
-
-    def _overlap_error(self, what, t):
-        return RuntimeError(
-            f"torchcast.optim.{type(self).__name__}: {what} has overlapping memory (strides "
-            f"{t.stride()}, e.g. an expanded tensor) and cannot be updated in place; make it "
-            "a tensor of its own with .clone(); nothing was updated")
+        """The param's existing state fits what the step will use."""
+        mode = self._mode(group, real_dtype(p))
+        _validation.check_state(type(self).__name__, gi, i, p, state,
+                                _STATE_KEYS[(mode, bool(group["amsgrad"]))],
+                                self._state_dtype(group, p))
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Performs a single optimization step, on every param with a grad.
@@ -628,7 +367,7 @@ class Adam(Optimizer):
             amsgrad = bool(group["amsgrad"])
             batches = {}  # (device, dtype, state dtype, mode) -> _Batch
             for p, g in items:
-                plain = not (p.is_complex() or _is_dtensor(p))
+                plain = not (p.is_complex() or is_dtensor(p))
                 local = p if plain else _local(p)
                 mode = self._mode(group, local.dtype)
                 state = self._state(group, p, mode)
@@ -749,77 +488,25 @@ class Adam(Optimizer):
     def _loaded_groups(self, saved_groups):
         """{saved param id: (group index, index in group, param, group as it
         will be after loading)}, every saved group checked."""
-        name = type(self).__name__
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
+        _validation.check_loaded_group_count(self.param_groups, saved_groups)
         out = {}
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't "
-                                 "match the size of optimizer's group")
+            _validation.check_loaded_group_size(group, saved)
             merged = dict(self.defaults)
             merged.update(saved)
             merged["params"] = group["params"]
             try:
-                self._check_group(merged, gi)
+                _validation.check_group(type(self).__name__, merged, gi)
                 for i, p in enumerate(group["params"]):
                     self._check_param(merged, gi, i, p)
             except (TypeError, ValueError, RuntimeError) as e:
-                raise ValueError(f"{name}.load_state_dict: {e}".replace(
-                    "nothing was updated", "nothing was loaded")) from None
+                raise _validation.load_error(type(self).__name__, e) from None
             for i, (p, pid) in enumerate(zip(group["params"], saved["params"])):
                 out[pid] = (gi, i, p, merged)
         return out
 
-    def _check_loaded_state(self, group, gi, i, p, saved):
-        """One param's saved state fits it: a dict of known keys, tensors of
-        its shape and of a dtype kind that casts to the state's."""
-        name = type(self).__name__
-        where = f"{name}.load_state_dict: the state of {_describe(gi, i, p)}"
-        tail = "; nothing was loaded"
-        if not isinstance(saved, dict):
-            raise ValueError(f"{where} is {_what(saved)}, expected a dict of its Adam state "
-                             f"({', '.join(_KNOWN_STATE_KEYS)}){tail}")
-        unknown = sorted(str(k) for k in saved if k not in _KNOWN_STATE_KEYS)
-        if unknown:
-            raise ValueError(f"{where} has {unknown}, which Adam does not keep (known: "
-                             f"{', '.join(_KNOWN_STATE_KEYS)}): is this the state dict of "
-                             f"another optimizer (torch.optim.SGD keeps 'momentum_buffer')?"
-                             f"{tail}")
-        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if saved and k not in saved]
-        if missing:
-            raise ValueError(f"{where} lacks {missing}{tail}")
-        for key, value in saved.items():
-            if key == "step":
-                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
-                    isinstance(value, torch.Tensor) and value.numel() == 1
-                    and not value.is_complex())
-                if not ok:
-                    raise ValueError(f"{where}: 'step' is {_what(value)}, expected a number "
-                                     f"or a one-element tensor{tail}")
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"{where}: {key!r} is {_what(value)}, expected a tensor of "
-                                 f"shape {tuple(p.shape)}{tail}")
-            if value.shape != p.shape:
-                raise ValueError(f"{where}: {key!r} has shape {tuple(value.shape)} but the "
-                                 f"param has shape {tuple(p.shape)} (a state dict of another "
-                                 f"model, or params in another order?){tail}")
-            if value.layout != torch.strided:
-                raise ValueError(f"{where}: {key!r} is a {value.layout} tensor; optimizer "
-                                 f"states are dense{tail}")
-            if key == "remainder":
-                ok, want = value.dtype == torch.int16, "torch.int16"
-            elif p.is_complex():
-                ok, want = value.is_complex(), "a complex dtype (the param is complex)"
-            else:
-                ok, want = value.is_floating_point(), "a floating-point dtype"
-            if not ok:
-                raise ValueError(f"{where}: {key!r} is {value.dtype}, expected {want}"
-                                 f" (param: {p.dtype}){tail}")
-
     def _adopt(self, group, p, saved):
-        mode = self._mode(group, _real_dtype(p))
+        mode = self._mode(group, real_dtype(p))
         target = {key: self._state_dtype(group, p) for key in _MOMENTS}
         if mode == "kahan":
             target["compensation"] = p.dtype
@@ -866,20 +553,18 @@ class Adam(Optimizer):
         """
         params = [(gi, i, p, group) for gi, group in enumerate(self.param_groups)
                   for i, p in enumerate(group["params"])]
+        name = type(self).__name__
         weights = list(fp32_params)
-        if len(weights) != len(params):
-            raise ValueError(f"torchcast.optim.{type(self).__name__}.seed_compensation: "
-                             f"{len(weights)} weights given for {len(params)} params; pass one "
-                             "per param, in param-group order; nothing was changed")
+        _validation.check_seed_count(name, len(weights), len(params))
         for (gi, i, p, group), w in zip(params, weights):
-            self._check_seed_weight(gi, i, p, w)
+            _validation.check_seed_weight(name, gi, i, p, w)
             self._check_param(group, gi, i, p)
             state = self.state.get(p)
             if state:
                 self._check_state(group, gi, i, p, state)
         for (gi, i, p, group), w in zip(params, weights):
             state = self._init_state(group, p)
-            mode = self._mode(group, _real_dtype(p))
+            mode = self._mode(group, real_dtype(p))
             local = _local(p)
             w = _local(w.detach()).to(local.device)
             if mode == "remainder":
@@ -892,28 +577,6 @@ class Adam(Optimizer):
                 wide = w.dtype if w.dtype == torch.float64 else torch.float32
                 w = w.to(wide)
                 _local(state["compensation"]).copy_(w - local.to(wide))
-
-    def _check_seed_weight(self, gi, i, p, w):
-        """seed_compensation's checks of one weight, attribute reads only."""
-        head = f"torchcast.optim.{type(self).__name__}.seed_compensation: the weight for"
-        where = f"{head} {_describe(gi, i, p)}"
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"{where} is {_what(w)}; pass a tensor; nothing was changed")
-        if w.layout != torch.strided:
-            raise TypeError(f"{where} is a {w.layout} tensor; call .to_dense() on it first; "
-                            "nothing was changed")
-        if not (w.is_floating_point() or w.is_complex()) or w.is_complex() != p.is_complex():
-            kind = "complex" if p.is_complex() else "real floating"
-            raise TypeError(f"{where} is {w.dtype} but the param is {p.dtype}; pass a {kind} "
-                            "weight (float32, or complex64 for a complex param, typically); "
-                            "nothing was changed")
-        if tuple(w.shape) != tuple(p.shape):
-            raise ValueError(f"{where} has shape {tuple(w.shape)}; pass one of the param's "
-                             "shape; nothing was changed")
-        if _is_dtensor(p) and (not _is_dtensor(w) or w.to_local().shape != p.to_local().shape):
-            raise ValueError(f"{where} is {_what(w)}, not a DTensor of the param's local "
-                             f"shape {tuple(p.to_local().shape)}; pass it placed as the param "
-                             "(torch.distributed.tensor.distribute_tensor); nothing was changed")
 
 
 class AdamW(Adam):
@@ -977,7 +640,8 @@ def _check_and_adopt_states(optimizer, state_dict):
             state[key] = value  # not a param's state: torch keeps it as it is
             continue
         gi, i, p, group = targets[key]
-        optimizer._check_loaded_state(group, gi, i, p, value)
+        _validation.check_loaded_state(type(optimizer).__name__, gi, i, p, value,
+                                       _KNOWN_STATE_KEYS)
         state[key] = _Loaded(optimizer._adopt(group, p, value))
     state_dict["state"] = state
     return state_dict
