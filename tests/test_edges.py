@@ -409,3 +409,16 @@ def test_track_all_casts_no_string_does_not_turn_tracking_on():
     with torchcast.track(all_casts=True, policy="record") as report:
         x.to(torch.float16)
     assert [r.stats.overflow for r in report.records] == [1]
+
+
+def test_seed_compensation_refuses_a_self_overlapping_param_before_writing():
+    # Found by tests/test_fuzz.py: an expanded param made torch's copy_ raise
+    # after the first param was already written.
+    p0 = torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
+    q = torch.nn.Parameter(torch.randn(1, dtype=torch.bfloat16).expand(4))
+    opt = torchcast.optim.AdamW([p0])
+    opt.add_param_group({"params": [q]})
+    before = p0.detach().clone()
+    with pytest.raises(RuntimeError, match="overlapping memory"):
+        opt.seed_compensation([torch.randn(3), torch.randn(4)])
+    assert torch.equal(p0.detach(), before) and not opt.state

@@ -559,6 +559,8 @@ class Adam(Optimizer):
         for (gi, i, p, group), w in zip(params, weights):
             _validation.check_seed_weight(name, gi, i, p, w)
             self._check_param(group, gi, i, p)
+            # Written in place, as step() writes it: refused as step() refuses it.
+            _validation.check_param_memory(name, gi, i, p)
             state = self.state.get(p)
             if state:
                 self._check_state(group, gi, i, p, state)
