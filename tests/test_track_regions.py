@@ -88,7 +88,9 @@ def test_the_html_page_lists_them(overflowing, tmp_path):
         overflowing(torch.ones(4, 8))
     report.to_html(str(tmp_path / "r.html"))
     page = (tmp_path / "r.html").read_text()
-    assert "Not watched: 1 torch.compile region" in page and "kernels Inductor fuses" in page
+    # (regions compiled by other tests of this process are listed too)
+    assert "Not watched: " in page and "torch.compile region" in page
+    assert "kernels Inductor fuses" in page and "test_track_regions.py" in page
 
 
 def test_a_region_compiled_in_a_track_is_marked_as_run_there():

@@ -109,9 +109,11 @@ def build_parser():
                              f"elements above which it counts (default "
                              f"{DEFAULT.replace('%', '%%')!r}; 'all'; "
                              f"kinds: {', '.join(KINDS)}; e.g. 'overflow,nan,subnormal>1%%')")
-    parser.add_argument("--nonfinite", choices=("record", "warn", "raise"),
+    parser.add_argument("--nonfinite", choices=("record", "warn", "raise", "raise_reached"),
                         help="also check every op for NaN/inf made from finite inputs: list "
-                             "each such op, warn once per place, or stop at the first one")
+                             "each such op, warn once per place, stop at the first one, or "
+                             "(raise_reached) stop where one's NaN/inf first reach a top-level "
+                             "module's output, the loss or the gradients an optimizer reads")
     parser.add_argument("--health", action="store_true",
                         help="also measure each module's outputs and gradients (exponent "
                              "histograms, amax, zeros, subnormals) and print their headroom: what "

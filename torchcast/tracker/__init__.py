@@ -162,17 +162,30 @@ class track:
             Default ``"overflow,saturated,underflow>1%,graph_cut,imag_dropped"``:
             what breaks training. The other losses (subnormal results, NaN
             passing through a cast) are listed as notes.
-        nonfinite: None (default), "record", "warn" or "raise": check every
-            aten op the block runs in this thread, forward and backward,
-            casts included, and report each op that makes NaN or ±inf from
-            finite inputs (``report.nonfinite``, ``report.first_nonfinite``;
-            "warn" warns once per place, NonFiniteWarning; "raise" raises
-            ``torchcast.NonFiniteError`` at the first). Ops whose inputs
-            already held NaN/inf are counted (``report.propagated``). Each
-            op's output is read once (in C++ under "record"/"warn" in a
-            program without CUDA); on a GPU the flags stay on the device and
-            are read every 256 ops and at exit ("raise": after every op).
-            Ops inside torch.compile'd graphs are not seen.
+        nonfinite: None (default), "record", "warn", "raise" or
+            "raise_reached": check every aten op the block runs in this
+            thread, forward and backward, casts included, and report each
+            op that makes NaN or ±inf from finite inputs (an origin:
+            ``report.nonfinite`` in time order, ``report.first_nonfinite``),
+            with its step and whether its NaN/inf reached the block's
+            outputs, the loss or the gradients the step leaves, or were
+            absorbed (docs/numerics.md). "warn" warns once per place,
+            NonFiniteWarning. "raise" raises ``torchcast.NonFiniteError`` at
+            the first origin, before the program uses its result, so before
+            anyone can know whether it matters: kept as it was, for
+            stopping at the very first NaN/inf. "raise_reached" raises at
+            the first check that sees an origin's NaN/inf reach (a top-level
+            module's output, the tensor backward() runs from, the gradients
+            an optimizer reads or the parameters it wrote, the block's exit),
+            naming the origin and where it reached: the one to choose for a
+            training loop, where a harmless overflow (one a tanh absorbs)
+            must not stop the run. Ops whose inputs already held NaN/inf
+            are counted (``report.propagated``). Each op's output is read
+            once (in C++ for all but "raise" in a program without CUDA); on
+            a GPU the flags stay on the device and are read every 256 ops,
+            at each top-level call, backward and optimizer step, and at exit
+            ("raise": after every op). Ops inside torch.compile'd graphs are
+            not seen.
         health: measure, per module, its forward outputs and the gradients
             flowing into it in backward (``torchcast.tensor_health``, merged
             per module, phase and dtype, kept on the device): ``report.health``
@@ -239,6 +252,7 @@ class track:
                 nonfinite.start_cpp(recording.watch)
             else:
                 push_mode(watch=recording.watch)
+            watch.start()
         if self.health:
             recording.health = recording.report.health_watch = HealthWatch()
             recording.health.start()
@@ -253,6 +267,7 @@ class track:
 
     def __exit__(self, *exc: Any) -> bool:
         recording, self._recording = self._recording, None
+        reached = None  # "raise_reached": an origin found to reach at the exit
         try:
             recording.report.compiled_regions = recording.regions.stop()
             if recording.health is not None:
@@ -262,7 +277,7 @@ class track:
                     nonfinite.stop_cpp(recording.watch)
                 else:
                     pop_mode(watch=recording.watch)
-                recording.watch.flush()
+                reached = recording.watch.finish(failed=exc[0] is not None)
             if self.all_casts:
                 remove_other_thread_recorder(recording.record_safe_to)
                 set_all_casts_track(False)
@@ -277,6 +292,8 @@ class track:
             spool, self._spool = self._spool, None
             if spool is not None:
                 close_spool(spool)  # in a forked child: leaves its records for the parent
+        if reached is not None:
+            raise reached
         return False
 
 

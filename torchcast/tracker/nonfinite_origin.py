@@ -62,6 +62,32 @@ class NonFiniteOrigin:
     ``time`` is ``time.monotonic()`` when the origin was found (on a GPU,
     when its flags were read): the clock is the machine's, so it orders the
     origins of worker processes among the track's own.
+
+    ``step`` is the step the origin first happened in, counted as
+    ``step_kind`` says: "optimizer step" when the block ran an optimizer's
+    ``step()`` (any ``torch.optim.Optimizer``) in the track's thread, the
+    number of the step being built (1 + the optimizer steps taken before it
+    since the block began); else "top-level module call", the number of
+    top-level module calls (a module called while no other module is
+    running) begun since the block began, the one running or the last one
+    (0 before the first). ``reached`` says whether its NaN/inf reached, in
+    the same step, the block's outputs, the loss or the gradients and
+    parameters the step leaves (True; ``reached_at`` says which, and
+    ``reached_step`` in which step, counted as ``step``), or were absorbed
+    (False: everything checked at the end of its step was finite); None
+    while its step runs, for an origin in a worker process, and where the
+    block ended by an exception before the step did. An origin that happens
+    again is reached if any of its calls reached; ``absorbed_steps`` counts
+    the steps in which its calls were absorbed. When NaN/inf reach, every
+    undecided origin of the step is marked reached (which one's values they
+    were is not traced): one absorbed in other steps is likely a bystander,
+    and is listed after those never absorbed. The rule: nonfinite.py.
+
+    In backward, ``forward``, ``forward_file`` and ``forward_line`` name the
+    forward method of the module that made ``node`` and where it is defined
+    (e.g. "Linear.forward", ".../linear.py", 124): the op's own forward line
+    is not recorded (that would take a walk of the Python stack at every
+    forward op; docs/numerics.md).
     """
 
     op: str
@@ -79,6 +105,15 @@ class NonFiniteOrigin:
     note: str
     count: int = 1
     worker: Optional[int] = None
+    step: Optional[int] = None
+    step_kind: Optional[str] = None  # "optimizer step" or "top-level module call"
+    reached: Optional[bool] = None
+    reached_at: Optional[str] = None  # e.g. "the loss (a tensor backward() ran from)"
+    reached_step: Optional[int] = None
+    absorbed_steps: int = 0  # the steps in which its calls' NaN/inf were absorbed
+    forward: Optional[str] = None  # in backward: e.g. "Linear.forward"
+    forward_file: Optional[str] = None
+    forward_line: Optional[int] = None
     # Not part of what an origin is: two reports of the same origins are equal.
     time: Optional[float] = dataclasses.field(default=None, compare=False)
 
@@ -88,18 +123,48 @@ class NonFiniteOrigin:
                 self.worker)
 
     def describe(self) -> str:
-        """One paragraph: what, where, and why."""
+        """One paragraph: what, where, in which step, whether it reached the
+        outputs or the loss, and why."""
         where = f"{short_path(self.file)}:{self.line}" + (f" via {self.via}" if self.via else "")
         if self.worker is not None:
             where += f" [worker {self.worker}]"
-        module = f" in {self.module}" if self.module else ""
-        phase = (f"backward ({self.node}, of{module or ' no tracked module'}'s forward)"
-                 if self.phase == "backward" else f"forward{module}")
+        if self.phase == "backward":
+            made = (f"made by {self.module}'s forward" if self.module
+                    else "made outside any tracked module's forward")
+            if self.module and self.forward:
+                made += f" ({self.forward}, {short_path(self.forward_file)}:{self.forward_line})"
+            phase = f"in backward, in the gradient of {self.node}, {made}"
+            where += " (the line that ran backward)"
+        else:
+            phase = (f"in {self.module}'s forward" if self.module
+                     else "in forward, outside any tracked module")
+        if self.step is not None:
+            where += f", in {self.step_kind} {self.step}"
+        reach = self.reach_text()
+        reach = f" {reach[0].upper()}{reach[1:]}." if reach else ""
         found = ", ".join(f"{n} {what}" for n, what in
                           ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
         inputs = "; ".join(i.describe() for i in self.inputs) or "no floating tensor inputs"
         return (f"{self.op} made {found} in its {short_dtype_name(self.dtype)} output from finite "
-                f"inputs, {phase}, at {where}. Inputs: {inputs}. {self.note}")
+                f"inputs {phase}, at {where}.{reach} Inputs: {inputs}. {self.note}")
+
+    def reach_text(self) -> str:
+        """Whether its NaN/inf reached the outputs or the loss, e.g.
+        "reached the loss (a tensor backward() ran from) at optimizer step
+        3", "absorbed (the step's outputs, loss and gradients stayed
+        finite)"; "" where not decided."""
+        if self.reached:
+            step = f" at {self.step_kind} {self.reached_step}" \
+                if self.reached_step is not None else ""
+            text = f"reached {self.reached_at}{step}"
+            if self.absorbed_steps:
+                text += (f", but was absorbed in {self.absorbed_steps} other "
+                         f"step{'s' if self.absorbed_steps > 1 else ''}: the NaN/inf that "
+                         "reached may be another origin's of that step")
+            return text
+        if self.reached is False:
+            return "absorbed (the step's outputs, loss and gradients stayed finite)"
+        return ""
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready values (dtypes as strings)."""
@@ -120,11 +185,18 @@ class NonFiniteOrigin:
 
 class NonFiniteError(RuntimeError):
     """The first op that made NaN or ±inf from finite inputs
-    (``track(nonfinite="raise")``). ``origin`` is its NonFiniteOrigin; its
-    fields are also attributes of the error (``error.op``, ``error.module``)."""
+    (``track(nonfinite="raise")``), or the first whose NaN/inf reached the
+    outputs, the loss or the gradients (``"raise_reached"``). ``origin`` is
+    its NonFiniteOrigin; its fields are also attributes of the error
+    (``error.op``, ``error.module``, ``error.reached_at``).
 
-    def __init__(self, origin: NonFiniteOrigin):
-        super().__init__(origin.describe())
+    Args:
+        origin: the origin.
+        detail: a sentence added to the origin's description.
+    """
+
+    def __init__(self, origin: NonFiniteOrigin, detail: str = ""):
+        super().__init__(origin.describe() + (f" {detail}" if detail else ""))
         self.origin = origin
 
     def __getattr__(self, name):
@@ -133,6 +205,23 @@ class NonFiniteError(RuntimeError):
         return getattr(self.origin, name)
 
 
+
+
+def reach_rank(reached: Optional[bool], absorbed_steps: int = 0) -> int:
+    """Where an origin goes in the reports (``NonFiniteOrigin.reached`` and
+    ``absorbed_steps``): those whose NaN/inf reached the outputs, the loss
+    or the gradients and were never absorbed first (0), then those that
+    reached but were absorbed in other steps (1: likely bystanders of
+    another origin of the step that reached), then the undecided (2), then
+    the absorbed (3); a stable sort keeps time order within each.
+
+    Args:
+        reached: the origin's ``reached``.
+        absorbed_steps: the origin's ``absorbed_steps``.
+    """
+    if reached:
+        return 1 if absorbed_steps else 0
+    return 3 if reached is False else 2
 
 
 def floating_data(t: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHea
                      headroom_lines, headroom_table, health_lines)
 from .html import render_html
 from .nonfinite import NonFiniteWatch
-from .nonfinite_origin import NonFiniteOrigin
+from .nonfinite_origin import NonFiniteOrigin, reach_rank
 from .regions import CompiledRegion
 from .sites import short_path
 from .tensorboard import write_tensorboard
@@ -299,9 +299,16 @@ class Report:
 
     @property
     def first_nonfinite(self) -> Optional[NonFiniteOrigin]:
-        """The first op that made NaN/inf from finite inputs, or None."""
+        """The origin most likely to be the cause, or None: the first (in
+        time) whose NaN/inf reached the block's outputs, the loss or the
+        gradients (one never absorbed before one also absorbed in other
+        steps); where none did, the first undecided, then the first absorbed
+        one (``NonFiniteOrigin.reached``, ``reach_rank``). ``nonfinite[0]``
+        is the first in time."""
         origins = self.nonfinite
-        return origins[0] if origins else None
+        if not origins:
+            return None
+        return min(origins, key=lambda o: reach_rank(o.reached, o.absorbed_steps))  # the first
 
     @property
     def propagated(self) -> int:
@@ -647,9 +654,14 @@ def _nonfinite_lines(report: Report) -> List[str]:
     if report.nonfinite_watch is None:
         return []
     origins = report.nonfinite
+    reached = sum(1 for o in origins if o.reached)
+    absorbed = sum(1 for o in origins if o.reached is False)
     lines = [f"torchcast.track: {len(origins)} op{'' if len(origins) == 1 else 's'} made NaN/inf "
-             f"from finite inputs (in order), {report.propagated} op calls passed NaN/inf on"]
-    for o in origins:
+             f"from finite inputs ({reached} reached the outputs, loss or gradients, listed "
+             f"first; {absorbed} absorbed; each in time order), {report.propagated} op calls "
+             "passed NaN/inf on"]
+    # A stable sort: time order within each rank.
+    for o in sorted(origins, key=lambda o: reach_rank(o.reached, o.absorbed_steps)):
         calls = f" [{o.count} calls]" if o.count > 1 else ""
         lines.append(f"  {o.describe()}{calls}")
     return lines
