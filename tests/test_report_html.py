@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torchcast
+from torchcast.tracker.health import headroom_view
 from torchcast.tracker.html import OPEN_ENTRIES, render_html
 from torchcast.tracker.tensorboard import write_tensorboard
 
@@ -71,9 +72,19 @@ def parse(text):
     return page
 
 
+def distinct(health):
+    """The health entries the page draws: one per equal measures (a
+    container returning its last child's output is its child's tensor)."""
+    seen = {}
+    for h in health:
+        seen.setdefault(json.dumps({k: v for k, v in h.items() if k != "module"},
+                                   sort_keys=True), h)
+    return list(seen.values())
+
+
 def expected_bars(data):
     return sum(sum(1 for n in h["hist"] if n) + (1 if h["nan"] + h["posinf"] + h["neginf"] else 0)
-               for h in data["health"])
+               for h in distinct(data["health"]))
 
 
 def test_page_is_self_contained_and_complete(report, tmp_path):
@@ -86,7 +97,8 @@ def test_page_is_self_contained_and_complete(report, tmp_path):
     bars = [c for t, c in page.classes if t == "rect" and c.split()[0] == "bar"]
     windows = [c for t, c in page.classes if t == "rect" and c.startswith("window normal")]
     assert len(bars) == expected_bars(data) > 0
-    assert len(windows) == 4 * len(data["health"])
+    # Block returns down's output: one histogram for both (it was drawn twice).
+    assert len(windows) == 4 * len(distinct(data["health"])) == 4 * (len(data["health"]) - 2)
     body = " ".join(page.text)
     assert "aten::addmm" in body and "Where NaN/inf first appeared" in body
     assert all(r["site"] in body for r in data["records"])
@@ -95,8 +107,8 @@ def test_page_is_self_contained_and_complete(report, tmp_path):
 
 def test_a_long_report_folds_past_the_worst_entries():
     """A model with more module entries than OPEN_ENTRIES: the worst ones
-    (and any with NaN/inf) open, the rest folded with every histogram still
-    on the page; headroom rows that lose nothing folded below the table."""
+    (NaN/inf first) open, the rest folded with every histogram still on the
+    page; headroom rows that lose nothing folded below the table."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(10)])
     with torch.no_grad():
@@ -106,17 +118,23 @@ def test_a_long_report_folds_past_the_worst_entries():
     data = rep.to_dict()
     page = parse(render_html(data))
     modules = [opened for cls, opened in page.details if cls == "module"]
-    assert len(modules) == len(data["health"]) > OPEN_ENTRIES
-    nonfinite = [h["nan"] + h["posinf"] + h["neginf"] > 0 for h in data["health"]]
-    assert modules == [i < OPEN_ENTRIES or bad for i, bad in enumerate(nonfinite)]
-    assert not all(modules) and any(nonfinite)
-    assert sum(1 for t, c in page.classes if t == "svg") == len(data["health"])
+    # The root returns the last Linear's output: one entry for both.
+    assert len(modules) == len(distinct(data["health"])) == len(data["health"]) - 1
+    assert len(modules) > OPEN_ENTRIES
+    nonfinite = [h["nan"] + h["posinf"] + h["neginf"] > 0 for h in distinct(data["health"])]
+    assert modules == [i < OPEN_ENTRIES for i in range(len(modules))]
+    assert nonfinite[0] and all(modules[i] for i, bad in enumerate(nonfinite) if bad)
+    assert sum(1 for t, c in page.classes if t == "svg") == len(modules)
     lossless = [r for r in data["headroom"]
                 if r["overflow"] == r["underflow"] == r["subnormal"] == 0]
     assert 0 < len(lossless) < len(data["headroom"])
     assert [cls for cls, opened in page.details if not opened].count("lossless") == 1
     headroom_only = parse(render_html({"headroom": data["headroom"]}))
-    assert headroom_only.tags.count("tr") == len(data["headroom"]) + 2  # two header rows
+    # One row per module, phase and format (the amax scale beside scale 1), a
+    # header row per table.
+    assert headroom_only.tags.count("tr") == \
+        len(headroom_view(data["headroom"])) + headroom_only.tags.count("table")
+    assert len(headroom_view(data["headroom"])) == len(data["headroom"]) // 2
 
 
 def test_user_text_is_escaped():
@@ -147,7 +165,7 @@ def test_chromium_loads_it(report, tmp_path):
     data = report.to_dict()
     bars = [c for t, c in dom.classes if t == "rect" and c.split()[0] == "bar"]
     assert len(bars) == expected_bars(data)
-    assert sum(1 for t, c in dom.classes if t == "svg") == len(data["health"])
+    assert sum(1 for t, c in dom.classes if t == "svg") == len(distinct(data["health"]))
     width, height, pixels = _read_png(png.read_bytes())
     assert (width, height) == (1000, 1400)
     assert len(set(pixels)) > 10  # not a blank page

@@ -337,6 +337,12 @@ class HeadroomRow:
     src_dtype: torch.dtype
     result: Headroom
 
+    @property
+    def identity(self) -> bool:
+        """Whether the entry is in the format already: a "cast" to it changes
+        nothing at scale 1, and a scale within one format is no cast at all."""
+        return self.result.dtype == self.src_dtype
+
     def to_dict(self) -> Dict[str, Any]:
         r = self.result
         return {"module": self.module, "phase": self.phase, "src_dtype": str(self.src_dtype),
@@ -348,11 +354,12 @@ class HeadroomRow:
 class HeadroomTable:
     """``Report.headroom``'s answer: per module and phase, what a cast to a
     format would do; ``str()`` prints it worst first (overflow, then
-    underflow, then subnormal results)."""
+    underflow, then subnormal results). ``omitted`` counts the entries left
+    out for being in ``dtype`` already (``HeadroomRow.identity``)."""
 
     def __init__(self, dtype: torch.dtype, scale: Union[None, float, str],
-                 rows: List[HeadroomRow]):
-        self.dtype, self.scale = dtype, scale
+                 rows: List[HeadroomRow], omitted: int = 0):
+        self.dtype, self.scale, self.omitted = dtype, scale, omitted
         self.rows = sorted(rows, key=lambda r: (-r.result.overflow_fraction,
                                                 -r.result.underflow_fraction,
                                                 -r.result.subnormal_fraction))
@@ -377,7 +384,11 @@ class HeadroomTable:
             table.append((r.module or "-", r.phase, short_dtype_name(r.src_dtype), str(h.numel),
                           f"2^{int(math.log2(h.scale))}", _percent(h.overflow_fraction),
                           _percent(h.underflow_fraction), _percent(h.subnormal_fraction)))
-        return _format_table(head, table, left=3)
+        text = _format_table(head, table, left=3)
+        if self.omitted:
+            text += (f"\n... {self.omitted} more already in {short_dtype_name(self.dtype)} "
+                     "(no cast)")
+        return text
 
 
 def _percent(x: float) -> str:
@@ -397,10 +408,13 @@ def _format_table(head: str, rows: List[tuple], left: int) -> str:
 
 def headroom_table(watch: HealthWatch, dtype: torch.dtype,
                    scale: Union[None, float, str] = None) -> HeadroomTable:
-    """``Report.headroom``: every entry of ``watch`` cast to ``dtype``."""
+    """``Report.headroom``: every entry of ``watch`` cast to ``dtype``, but
+    those in ``dtype`` already (counted as ``omitted``): of a model run in
+    float16, the float16 table would otherwise be half "0" rows of no cast."""
+    entries = watch.rows()
     rows = [HeadroomRow(r.module, r.phase, r.dtype, r.headroom(dtype, scale))
-            for r in watch.rows()]
-    return HeadroomTable(dtype, scale, rows)
+            for r in entries if r.dtype != dtype]
+    return HeadroomTable(dtype, scale, rows, omitted=len(entries) - len(rows))
 
 
 def _lost(h: Headroom) -> str:
@@ -414,20 +428,25 @@ def headroom_lines(watch: HealthWatch) -> List[str]:
     rows = watch.rows()
     head = (f"torchcast headroom of {len(rows)} module outputs and gradients (worst first): the "
             "% of elements a cast to each format loses\nto overflow/underflow at scale 1, and "
-            "where it loses any, at the entry's power-of-two amax scale (2^k: overflow/underflow)")
+            "where it loses any, at the entry's power-of-two amax scale (2^k: overflow/underflow;"
+            "\n-: the entry is in that format already)")
     table = [("module", "phase", "dtype", "elements", *(short_dtype_name(f) for f in FORMATS))]
     lossless = 0
     for r in rows:
         health = r.health.cpu()  # one transfer for the 8 predictions
         cells = []
         for fmt in FORMATS:
+            if fmt == r.dtype:
+                cells.append("-")  # no cast: "0/0" would read as a cast that loses nothing
+                continue
             plain = headroom(health, fmt)
             cell = _lost(plain)
             if plain.overflow or plain.underflow:
                 scaled = headroom(health, fmt, "amax")
-                cell += f", 2^{int(math.log2(scaled.scale))}: {_lost(scaled)}"
+                if scaled.scale != 1:  # else the same figures again
+                    cell += f", 2^{int(math.log2(scaled.scale))}: {_lost(scaled)}"
             cells.append(cell)
-        if all(c == "0/0" for c in cells):
+        if all(c in ("0/0", "-") for c in cells):
             lossless += 1  # a table of only "0/0" rows says less than their count
             continue
         table.append((r.module or "-", r.phase, short_dtype_name(r.dtype),
@@ -436,6 +455,59 @@ def headroom_lines(watch: HealthWatch) -> List[str]:
     if lossless:
         lines.append(f"... {lossless} more lose nothing in any format at scale 1")
     return lines
+
+
+def _lossy(row: Dict[str, Any]) -> bool:
+    return any(float(row[k]) for k in ("overflow", "underflow", "subnormal"))
+
+
+def headroom_view(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The rows of ``Report.to_dict()["headroom"]`` worth reading (the HTML
+    page's headroom table and TensorBoard's headroom scalars), worst first.
+
+    ``to_dict`` keeps every (entry, format, scale) as data; read as a table, most of
+    them answer nothing. So, per entry (module, phase, source dtype) and format:
+
+    - none where the format is the entry's dtype: no cast happens (a model run
+      in float16 made a quarter of a GPT-2's rows float16 -> float16 at 2^0);
+    - one row, holding the scale-1 figures and, beside them, the amax
+      scale's: an amax scale of 1 repeats the scale-1 row (the duplicates);
+    - the amax scale's figures only where scale 1 loses something: a scale
+      is the remedy for a loss, and without one "bfloat16 at 2^120" only
+      says that bfloat16 has float32's range.
+
+    Args:
+        rows: ``HeadroomRow.to_dict()`` rows (floats possibly "inf"/"nan").
+
+    Returns:
+        Dicts of "module", "phase", "src_dtype", "format", "numel", "plain"
+        (the scale-1 row, None if the rows had none) and "scaled" (the amax
+        row, or None), and "lossy" (whether scale 1 loses anything), the
+        lossy first, by overflow, then underflow, then subnormal at scale 1.
+        An entry whose rows repeat (the same module twice in ``rows``) is one.
+    """
+    view: Dict[tuple, Dict[str, Any]] = {}
+    for r in rows:
+        if r["format"] == r["src_dtype"]:
+            continue
+        key = (r["module"], r["phase"], r["src_dtype"], r["format"])
+        entry = view.setdefault(key, {"module": r["module"], "phase": r["phase"],
+                                      "src_dtype": r["src_dtype"], "format": r["format"],
+                                      "numel": r["numel"], "plain": None, "scaled": None})
+        slot = "plain" if float(r["scale"]) == 1 else "scaled"
+        if entry[slot] is None:
+            entry[slot] = r
+    out = []
+    for entry in view.values():
+        if entry["plain"] is None:  # rows of other scales only: shown as they are
+            entry["plain"], entry["scaled"] = entry["scaled"], None
+        entry["lossy"] = _lossy(entry["plain"])
+        if not entry["lossy"]:
+            entry["scaled"] = None
+        out.append(entry)
+    return sorted(out, key=lambda e: (not e["lossy"], -float(e["plain"]["overflow"]),
+                                      -float(e["plain"]["underflow"]),
+                                      -float(e["plain"]["subnormal"])))
 
 
 def health_lines(watch: HealthWatch) -> List[str]:
@@ -458,4 +530,4 @@ def health_lines(watch: HealthWatch) -> List[str]:
 
 
 __all__ = ["FORMATS", "HealthWatch", "HeadroomRow", "HeadroomTable", "ModuleHealth",
-           "headroom_lines", "headroom_table", "health_lines"]
+           "headroom_lines", "headroom_table", "headroom_view", "health_lines"]

@@ -4,15 +4,32 @@ through any writer with ``add_scalar(tag, value, step)`` and
 SummaryWriter; nothing is imported here), from ``Report.to_dict()``'s values.
 
 Tags (under ``prefix``): ``nonfinite/origins``, ``nonfinite/propagated``;
-``cast/<site>/<stat>`` per cast site (fractions of its elements, max rel
-err, SQNR; inf and NaN are written as such); ``health/<module>/<phase>/<stat>``
-(amax, fractions of zero, subnormal and non-finite elements) and the histogram
-``health/<module>/<phase>/log2_abs`` (elements by binade);
-``headroom/<module>/<phase>/<dtype>/<format>/<scale>/<kind>``.
+``cast/<site>/<origin>/<src>-<dtype>/<stat>`` per cast site and dtype pair
+(fractions of its elements, max rel err, SQNR; inf and NaN are written as
+such); ``health/<module>/<phase>/<dtype>/<stat>`` (amax, fractions of zero,
+subnormal and non-finite elements) and the histogram
+``health/<module>/<phase>/<dtype>/log2_abs`` (elements by binade);
+``headroom/<module>/<phase>/<dtype>/<format>/scale_1/<kind>`` and, where
+scale 1 loses something, ``.../amax_scale/<kind>`` and
+``.../amax_scale/log2_scale`` (the rows of ``health.headroom_view``: no
+cast to the entry's own dtype, and one series per scale kind, not per scale,
+so that a chart follows the amax scale as it moves).
+
+No tag is written twice in one call: TensorBoard keeps one of two values at
+a step, silently. Tags are unique per record (every field of its key: a
+site's casts of two dtype pairs are two records) and per row; those that
+would still meet (unsafe characters replaced, a file shortened, None and
+"-") each get a suffix, a hash of what tells them apart, never hanging on
+the order of the records (which changes as the worst does); a row given
+twice gets ``_2``.
 """
+import collections
+import hashlib
 import math
 import re
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
+
+from .health import headroom_view
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_./-]+")
 # add_histogram (without the raw form) takes values: a binade of n elements
@@ -29,6 +46,30 @@ def _float(x: Any) -> float:
 
 def _tag(*parts: Any) -> str:
     return "/".join(_UNSAFE.sub("_", str(p)).strip("_") or "_" for p in parts)
+
+
+def _short(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _unique(pairs: List[Tuple[str, Any]]) -> List[str]:
+    """A tag for each (base tag, identity): the base, unless several
+    identities share it; then each gets the base and a hash of its identity,
+    whatever their order (records come worst first, and the worst changes
+    from step to step: no tag may pass from one record to another). An
+    identity given again (a row twice) gets ``_2``, ``_3``."""
+    identities = collections.defaultdict(set)
+    for base, identity in pairs:
+        identities[base].add(repr(identity))
+    seen = collections.Counter()
+    tags = []
+    for base, identity in pairs:
+        tag = base
+        if len(identities[base]) > 1:
+            tag = f"{base}_{hashlib.sha1(repr(identity).encode()).hexdigest()[:8]}"
+        seen[tag] += 1
+        tags.append(tag if seen[tag] == 1 else f"{tag}_{seen[tag]}")
+    return tags
 
 
 def _histogram(writer, tag: str, binades, counts, step: int) -> None:
@@ -66,19 +107,26 @@ def write_tensorboard(data: Dict[str, Any], writer: Any, step: int,
     if "nonfinite" in data:
         writer.add_scalar(_tag(prefix, "nonfinite", "origins"), len(data["nonfinite"]), step)
         writer.add_scalar(_tag(prefix, "nonfinite", "propagated"), data.get("propagated", 0), step)
-    for r in data.get("records", []):
-        if not r["measured"]:
-            continue
+    records = [r for r in data.get("records", []) if r["measured"]]
+    # The site's text holds module, file:line, safe_to name and via; the dtype
+    # pair is what sets apart the records of one line.
+    sites = _unique([(_tag(prefix, "cast", r["site"], r["origin"],
+                           f"{_short(r['src_dtype'])}-{_short(r['dtype'])}"),
+                      (r["site"], r.get("module"), r.get("file"), r.get("line"), r["origin"],
+                       r.get("name"), r["src_dtype"], r["dtype"], r.get("via")))
+                     for r in records])
+    for r, site in zip(records, sites):
         s = r["stats"]
         n = max(s["numel"], 1)
-        site = _tag(prefix, "cast", r["site"], r["origin"])
         for k in ("overflow", "underflow", "nan", "subnormal"):
             writer.add_scalar(f"{site}/{k}_fraction", s[k] / n, step)
         writer.add_scalar(f"{site}/max_rel_err", _float(s["max_rel_err"]), step)
         if s.get("sqnr_db") is not None:  # None in reports written before "inf" strings
             writer.add_scalar(f"{site}/sqnr_db", _float(s["sqnr_db"]), step)
-    for h in data.get("health", []):
-        base = _tag(prefix, "health", h["module"] or "-", h["phase"], h["dtype"])
+    health = data.get("health", [])
+    bases = _unique([(_tag(prefix, "health", h["module"] or "-", h["phase"], h["dtype"]),
+                      (h["module"], h["phase"], h["dtype"])) for h in health])
+    for h, base in zip(health, bases):
         n = max(h["numel"], 1)
         writer.add_scalar(f"{base}/amax", _float(h["amax"]), step)
         writer.add_scalar(f"{base}/zero_fraction", h["zero"] / n, step)
@@ -86,9 +134,23 @@ def write_tensorboard(data: Dict[str, Any], writer: Any, step: int,
         writer.add_scalar(f"{base}/nonfinite_fraction",
                           (h["nan"] + h["posinf"] + h["neginf"]) / n, step)
         _histogram(writer, f"{base}/log2_abs", h["binades"], h["hist"], step)
-    for r in data.get("headroom", []):
-        scale = _float(r["scale"])
-        base = _tag(prefix, "headroom", r["module"] or "-", r["phase"], r["src_dtype"], r["format"],
-                    f"2^{int(math.log2(scale))}" if math.isfinite(scale) and scale > 0 else scale)
+    view = headroom_view(data.get("headroom", []))
+    bases = _unique([(_tag(prefix, "headroom", v["module"] or "-", v["phase"], v["src_dtype"],
+                           v["format"]), (v["module"], v["phase"], v["src_dtype"], v["format"]))
+                     for v in view])
+    for v, base in zip(view, bases):
+        plain = v["plain"]
+        kind = "scale_1" if _float(plain["scale"]) == 1 else f"scale_{_log2(plain['scale']):g}"
         for k in ("overflow", "underflow", "subnormal"):
-            writer.add_scalar(f"{base}/{k}", _float(r[k]), step)
+            writer.add_scalar(f"{base}/{kind}/{k}", _float(plain[k]), step)
+        if v["scaled"] is not None:
+            scaled = v["scaled"]
+            writer.add_scalar(f"{base}/amax_scale/log2_scale", _log2(scaled["scale"]), step)
+            for k in ("overflow", "underflow", "subnormal"):
+                writer.add_scalar(f"{base}/amax_scale/{k}", _float(scaled[k]), step)
+
+
+def _log2(scale: Any) -> float:
+    """log2 of a power-of-two scale (a non-finite or zero one as it is)."""
+    scale = _float(scale)
+    return float(math.log2(scale)) if math.isfinite(scale) and scale > 0 else scale
