@@ -5,7 +5,10 @@ float16's range, so NaN starts in ``transformer.h.layers.1.linear1``. Written
 as an HTML report (docs/report.png is its screenshot); tests/test_report_scale.py
 checks the page and the TensorBoard tags of this very run.
 
-    PYTHONPATH=. python tools/report_example.py [OUT.html]
+    PYTHONPATH=. python tools/report_example.py [OUT.html [HEADROOM.png]]
+
+With a second argument (and matplotlib installed) it also draws the
+headroom chart of docs/numerics.md (docs/img/headroom.png).
 """
 import sys
 
@@ -84,12 +87,63 @@ def run(steps=3, device="cpu"):
     return report
 
 
-def main(out="report.html"):
+def plot_headroom(report, path, entries=12):
+    """A bar chart of the report's headroom (matplotlib; skipped, with a line
+    saying so, where it is not installed): for the forward outputs that lose
+    most, the fraction of elements a cast to each format loses (overflow +
+    underflow) at scale 1 and at the amax power-of-two scale."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
+    from torchcast.tracker.health import headroom_view
+    view = [v for v in headroom_view(report.to_dict()["headroom"])
+            if v["phase"] == "forward" and v["plain"] is not None]
+    modules = []
+    for v in view:  # worst first
+        if v["module"] not in modules:
+            modules.append(v["module"])
+    modules = modules[:entries]
+    lost = {(v["module"], v["format"]): (
+        float(v["plain"]["overflow"]) + float(v["plain"]["underflow"]),
+        float((v["scaled"] or v["plain"])["overflow"])
+        + float((v["scaled"] or v["plain"])["underflow"])) for v in view}
+    # The formats that lose anything for these modules (a float16 model
+    # loses nothing to float16: no cast happens).
+    formats = sorted({f for (m, f), (plain, scaled) in lost.items()
+                      if m in modules and (plain or scaled)})
+    fig, axes = plt.subplots(1, len(formats), figsize=(4 * len(formats), 0.35 * len(modules) + 1.6),
+                             sharey=True, squeeze=False)
+    ys = range(len(modules))
+    for ax, fmt in zip(axes[0], formats):
+        plain = [100 * lost.get((m, fmt), (0.0, 0.0))[0] for m in modules]
+        scaled = [100 * lost.get((m, fmt), (0.0, 0.0))[1] for m in modules]
+        ax.barh([y - 0.2 for y in ys], plain, height=0.4, label="scale 1")
+        ax.barh([y + 0.2 for y in ys], scaled, height=0.4, label="amax scale (power of two)")
+        ax.set_title(fmt.replace("torch.", ""), fontsize=10)
+        ax.set_xlabel("% of elements lost (overflow + underflow)")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].set_yticks(list(ys), [m or "-" for m in modules], fontsize=8)
+    axes[0][0].invert_yaxis()
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle("Headroom of each module's forward output (tools/report_example.py, exact "
+                 "from tensor_health's histograms)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(out="report.html", picture=None):
     report = run()
     print(report)
     print(report.headroom(torch.float8_e4m3fn, scale="amax"))
     report.to_html(out)
     print(f"wrote {out}")
+    if picture is not None:
+        plot_headroom(report, picture)
     return report
 
 
