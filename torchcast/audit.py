@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .stats import short_dtype_name
 from .tracker import Report, track
 from .tracker.modules import autocast_on, current_module
-from .tracker.report import undone_upcast_message
+from .tracker.report_table import undone_upcast_message
 from .violations import STRICT
 
 _SEVERITIES = ("error", "warning", "info")

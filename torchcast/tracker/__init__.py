@@ -13,7 +13,8 @@ program's cast, autocast's or an op's own), measure.py (the stats of one
 cast as PyTorch performs it), mode.py (the dispatch mode and the global
 state it installs), compiled.py (the casts inside Inductor-compiled
 graphs), threads.py (other threads, worker processes),
-report.py (Record and Report: merging, reading, JSON). This module holds
+report.py (Record and Report: merging, reading; their dict form and JSON
+in report_dict.py, their text table in report_table.py). This module holds
 track() itself.
 
 The stats stay tensors on the cast's device (merged per site by

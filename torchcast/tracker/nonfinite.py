@@ -19,28 +19,33 @@ the output's NaN/+inf/-inf counts, each floating input's dtype, shape and
 amax, and what the op gives when run again in a wider dtype: whether the
 narrow dtype's range was the problem.
 
+On CPU programs under "record" and "warn" the C++ watch
+(csrc/cpu/nonfinite_watch.cpp) checks each op instead of the dispatch mode;
+its glue is at the end of this module, with ``unwatched``, the switch that
+keeps the tracker's own reads unchecked in both.
+
 Each origin also gets its step, and whether its NaN/inf reached the
-block's outputs, the loss or the gradients, or were absorbed (the reach
-section below: the rule, and what it costs).
+block's outputs, the loss or the gradients, or were absorbed: reach.py
+decides that, at the grain of the block's steps, through the
+``StepTracker`` each watch owns (``NonFiniteWatch.steps``).
 """
-import inspect
 import math
 import sys
 import threading
 import time
 import warnings
-import weakref
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
 from .diagnose import op_name
-from .modules import add_output_listener, current_module, module_of_node, remove_output_listener
+from .modules import current_module, module_of_node
 from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
-                               amax_of, floating_data, reach_rank, wider_note)
+                               amax_of, floating_data, wider_note)
+from .reach import StepTracker
 from .sites import user_site
 
 ACTIONS = ("raise", "raise_reached", "record", "warn")
@@ -146,7 +151,8 @@ def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
 class NonFiniteWatch:
     """The non-finite origins of one track (``nonfinite=`` "raise",
     "raise_reached", "record" or "warn"), in the order they happened, with
-    their steps and whether their NaN/inf reached (start() to finish())."""
+    their steps and whether their NaN/inf reached (start() to finish():
+    ``steps``, a reach.StepTracker, decides those)."""
 
     def __init__(self, action: str):
         self.action = action
@@ -159,21 +165,8 @@ class NonFiniteWatch:
         self.worker_id: Optional[Callable[[], int]] = None
         self.on_origin: Optional[Callable[[], None]] = None
         # Steps and reach, from start() to finish() in the thread that
-        # entered the track (the reach section below).
-        self.started = False
-        self.thread: Optional[int] = None
-        self.opt_seen = False  # an optimizer step began in the block
-        self.opt_depth = 0  # optimizer steps running (one optimizer's step may call another's)
-        self.opt_done = 0  # optimizer steps completed
-        self.calls_done = 0  # top-level module calls completed
-        # The undecided calls of origins, by (origin key, raw step), in time order.
-        self.open: Dict[tuple, "_Occurrence"] = {}
-        # Origin key -> [raw step of its first call, raw step where it reached]; a
-        # raw step is (optimizer steps completed, top-level calls begun), read as
-        # one or the other once the block shows whether it steps an optimizer.
-        self.raw: Dict[tuple, list] = {}
-        self.roots: Dict[int, Any] = {}  # weakrefs to the top-level modules of the open steps
-        self.forwards: Dict[str, tuple] = {}  # module path -> its forward (name, file, line)
+        # entered the track (reach.py).
+        self.steps = StepTracker(self, unwatched)
 
     def forked(self, worker_id: Callable[[], int], on_origin: Callable[[], None]) -> None:
         """In a process forked inside the track (a DataLoader worker):
@@ -190,9 +183,7 @@ class NonFiniteWatch:
         """
         self.lock = threading.Lock()  # another thread may have held it at the fork
         self.origins, self.propagated, self.pending = {}, 0, []
-        # A worker's data leaves it as data: whether its NaN/inf reach the
-        # outputs shows in the track's process, where they are inputs.
-        self.open, self.raw, self.roots = {}, {}, {}
+        self.steps.forked()
         _ops.take_propagated()  # the C++ watch's count not yet taken is the parent's
         self.worker_id, self.on_origin = worker_id, on_origin
 
@@ -286,7 +277,7 @@ class NonFiniteWatch:
             nan, posinf, neginf = (int(torch.isnan(values).sum()),
                                    int(torch.isposinf(values).sum()),
                                    int(torch.isneginf(values).sum()))
-        forward = self.forwards.get(module) if phase == "backward" else None
+        forward = self.steps.forward(module) if phase == "backward" else None
         origin = NonFiniteOrigin(
             op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
             file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,
@@ -298,10 +289,10 @@ class NonFiniteWatch:
             known = self.origins.get(origin.key)
             if known is not None:
                 known.count += 1
-                self._occurred(known, module, phase)
+                self.steps.occurred(known, module, phase)
                 return
             self.origins[origin.key] = origin
-            self._occurred(origin, module, phase)
+            self.steps.occurred(origin, module, phase)
         if self.on_origin is not None:
             self.on_origin()
         if self.action == "raise":
@@ -310,50 +301,11 @@ class NonFiniteWatch:
             self.warned.add(origin.key)
             warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
 
-    # -- steps and reach ------------------------------------------------------------
-    # The rule. An origin's NaN/inf *reached* if, after it and before its step
-    # ended, NaN/inf showed in one of the places a step's values leave by:
-    #   1. the output of a top-level module call (checked as the call returns);
-    #   2. a tensor backward() or autograd.grad() ran from: the loss (checked
-    #      before the engine runs);
-    #   3. the gradients an optimizer's step() read (checked before it runs)
-    #      and, for the origins in the step itself, the parameters it wrote
-    #      or the state it keeps (after: the gradients it read were finite,
-    #      so NaN/inf there are its own ops');
-    #   4. where a step ends without an optimizer step, the parameters, and
-    #      their gradients, of the step's top-level modules.
-    # Otherwise, at the end of its step, it was *absorbed*. A step ends at an
-    # optimizer's step() once the block has run one; before that, a top-level
-    # call's step ends when the next one begins (noticed as it returns: an
-    # origin in backward or inside the call cannot reach the next call's
-    # output but through the modules' parameters, which 4 reads; one in
-    # forward outside any module, which may make the next call's input,
-    # is also checked against that call's output), and the last one at the
-    # block's exit. Every check is of values that stay in the program (a
-    # NaN/inf seen there is not absorbed), so "absorbed" is sound for these
-    # places; what a step leaves elsewhere (a tensor kept in a module's
-    # plain attribute, a buffer, a Python variable read in a later step) is
-    # not followed. When a check sees NaN/inf, every origin of the step not
-    # yet decided is marked reached: which one's values they were is not
-    # traced (that would take a look at every op that passes NaN/inf on, in
-    # the C++ watch too), so with several in one step the reports put first
-    # those never absorbed in another step (a harmless overflow that recurs
-    # every step is the usual bystander), then time decides.
-    # Cost: nothing per op. Per module call, a dict lookup (the forward of
-    # each module path, for backward origins); per top-level call and
-    # optimizer step, a few counters. The checks read values only while an
-    # origin is undecided; on a GPU, with ops still awaiting their flags,
-    # those are read first: one sync per top-level call, backward and
-    # optimizer step.
-
+    # -- the track's entry and exit -----------------------------------------------------
     def start(self) -> None:
         """Starts counting steps and deciding reach, in the calling thread
         (the track's entry); ``finish`` ends it."""
-        _install_reach_hooks()
-        self.thread = threading.get_ident()
-        self.started = True
-        add_output_listener(self._module_returned)
-        _thread_watches().append(self)
+        self.steps.start()
 
     def finish(self, failed: bool = False) -> Optional[NonFiniteError]:
         """At the track's exit: reads the flags still pending, ends the last
@@ -368,186 +320,11 @@ class NonFiniteWatch:
             Under "raise_reached", the error for an origin found to reach at
             the exit (the track raises it once it is cleaned up), else None.
         """
-        error = None
         try:
             self.flush()
-            if self.started and not failed and self.worker_id is None:
-                try:
-                    self._close(lambda occurrence: True, check=True)
-                except NonFiniteError as raised:
-                    error = raised
+            return self.steps.end_block(failed)
         finally:
-            if self.started:
-                self.started = False
-                remove_output_listener(self._module_returned)
-                _thread_watches().remove(self)
-                with self.lock:
-                    for origin in self.origins.values():
-                        self._resolve(origin)
-        return error
-
-    def _occurred(self, origin: NonFiniteOrigin, module: Optional[str], phase: str) -> None:
-        """A call of ``origin`` happened now (with the lock held): it is
-        undecided until its step ends or its NaN/inf are seen to reach."""
-        if not self.started or self.worker_id is not None:
-            return
-        # Only forward ops inside a call belong to the call running now.
-        in_call = phase == "forward" and module is not None
-        raw = (self.opt_done, self.calls_done + in_call)
-        self.raw.setdefault(origin.key, [raw, None])
-        self._resolve(origin)
-        if origin.reached or (origin.key, raw) in self.open:
-            return  # decided for good, or undecided in this step already
-        in_step = self.opt_depth > 0
-        outside = phase == "forward" and module is None and not in_step
-        self.open[(origin.key, raw)] = _Occurrence(origin, raw, outside, in_step)
-
-    def _resolve(self, origin: NonFiniteOrigin) -> None:
-        """Writes the origin's steps as the block counts them so far."""
-        raw = self.raw.get(origin.key)
-        if raw is None:
-            return
-        first, reach = raw
-        if self.opt_seen:
-            origin.step_kind, origin.step = "optimizer step", first[0] + 1
-            origin.reached_step = reach[0] + 1 if reach else None
-        else:
-            origin.step_kind, origin.step = "top-level module call", first[1]
-            origin.reached_step = reach[1] if reach else None
-
-    def _reached(self, at: str, now: tuple,
-                 which: Callable[["_Occurrence"], bool] = lambda occurrence: True) -> None:
-        """NaN/inf showed at ``at`` (in raw step ``now``): every undecided
-        origin (that ``which`` selects) reached; under "raise_reached",
-        raises for the first."""
-        with self.lock:
-            keys = [key for key, occurrence in self.open.items() if which(occurrence)]
-            occurrences = [self.open.pop(key) for key in keys]
-            for occurrence in occurrences:
-                self._mark(occurrence.origin, at, now)
-        if self.action == "raise_reached" and occurrences:
-            raise _reached_error([o.origin for o in occurrences], at)
-
-    def _mark(self, origin: NonFiniteOrigin, at: str, now: tuple) -> None:
-        if not origin.reached:
-            origin.reached, origin.reached_at = True, at
-            self.raw[origin.key][1] = now
-        self._resolve(origin)
-
-    def _close(self, ending: Callable[["_Occurrence"], bool], check: bool) -> None:
-        """Ends the step of the undecided calls ``ending`` selects: reached
-        if (with ``check``) the parameters or gradients of the open steps'
-        top-level modules hold NaN/inf, else absorbed."""
-        with self.lock:
-            closing = [key for key, occurrence in self.open.items() if ending(occurrence)]
-            occurrences = [self.open.pop(key) for key in closing]
-        if not occurrences:
-            return
-        at = self._state_nonfinite() if check else None
-        with self.lock:
-            for occurrence in occurrences:
-                origin = occurrence.origin
-                if at is not None:
-                    self._mark(origin, at, occurrence.raw)
-                else:
-                    origin.absorbed_steps += 1
-                    if origin.reached is None:
-                        origin.reached = False
-                self._resolve(origin)
-        if at is not None and self.action == "raise_reached":
-            raise _reached_error([o.origin for o in occurrences], at)
-
-    def _state_nonfinite(self) -> Optional[str]:
-        """What the open steps' top-level modules hold NaN/inf in (their
-        parameters' gradients, or their parameters), or None."""
-        for ref in list(self.roots.values()):
-            root = ref()
-            if root is None:
-                continue
-            params = list(root.parameters())
-            if _any_nonfinite(p.grad for p in params):
-                return f"the gradients of {type(root).__name__}'s parameters"
-            if _any_nonfinite(params):
-                return f"{type(root).__name__}'s parameters"
-        return None
-
-    # The events, in the thread that entered the track.
-    def _module_returned(self, call, output) -> None:
-        """modules.py's output listener: every module call's forward
-        method, kept for backward origins; a top-level call's output."""
-        if self.thread != threading.get_ident() or self.worker_id is not None:
-            return  # another thread's module (a thread without listeners calls all)
-        path = call.path
-        if path is not None and path not in self.forwards and call.owner is not None:
-            self.forwards[path] = _forward_of(call.owner)
-        if call.parent is not None:
-            return
-        if self.pending:
-            self.flush()
-        number = self.calls_done + 1
-        try:
-            if self.open and not self.opt_seen:
-                # The steps before this call ended when it began.
-                self._close(lambda o: o.raw[1] < number and not o.outside, check=True)
-            if self.open and _any_nonfinite(tree_flatten(output)[0]):
-                self._reached(f"the output of {path or 'a compiled graph'}",
-                              (self.opt_done, number))
-            if self.open and not self.opt_seen:
-                self._close(lambda o: o.raw[1] < number, check=True)
-        finally:  # "raise_reached" may raise above: the call still counts
-            self.calls_done = number
-            if not self.opt_seen:
-                self.roots = {}
-            owner = call.owner
-            if owner is not None and id(owner) not in self.roots:
-                self.roots[id(owner)] = weakref.ref(owner)
-
-    def _backward_from(self, outputs: Iterable[Any]) -> None:
-        """backward() or autograd.grad() is about to run from ``outputs``."""
-        if self.worker_id is not None:
-            return
-        if self.pending:
-            self.flush()
-        if self.open and _any_nonfinite(outputs):
-            self._reached("the loss (a tensor backward() ran from)",
-                          (self.opt_done, self.calls_done))
-
-    def _optimizer_step(self, optimizer, before: bool) -> None:
-        """Before and after an optimizer's step()."""
-        if self.worker_id is not None:
-            return
-        if self.pending:
-            self.flush()  # the ops before this point get the step they ran in
-        self.opt_depth += 1 if before else -1
-        if self.opt_depth != (1 if before else 0):
-            return  # an optimizer's step inside another's: one step
-        name = type(optimizer).__name__
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        now = (self.opt_done, self.calls_done)
-        if before:
-            self.opt_seen = True
-            try:
-                if self.open and _any_nonfinite(p.grad for p in params):
-                    self._reached(f"the gradients {name}.step() read", now)
-            except NonFiniteError:
-                self.opt_depth -= 1  # raised before the step: no post-hook comes
-                raise
-            return
-        try:
-            # The gradients it read were finite, or the origins before it
-            # are decided already: NaN/inf in what it wrote are its own ops'.
-            if any(o.in_step for o in self.open.values()):
-                if _any_nonfinite(params):
-                    self._reached(f"the parameters {name}.step() wrote", now,
-                                  lambda o: o.in_step)
-                elif _any_nonfinite(t for state in optimizer.state.values()
-                                    for t in state.values()):
-                    self._reached(f"the state {name}.step() keeps", now,
-                                  lambda o: o.in_step)
-            self._close(lambda o: True, check=False)
-        finally:
-            self.opt_done += 1
-            self.roots = {}
+            self.steps.stop()
 
 
 def _inputs(func, args: tuple, kwargs: dict, before: Dict[str, Any]) -> List[InputInfo]:
@@ -570,123 +347,10 @@ def _inputs(func, args: tuple, kwargs: dict, before: Dict[str, Any]) -> List[Inp
     return inputs
 
 
-class _Occurrence:
-    """An undecided call of an origin: its raw step (optimizer steps
-    completed, top-level calls begun), whether it ran in forward outside
-    any module (it may make the next top-level call's input) and whether
-    inside an optimizer's step()."""
-
-    __slots__ = ("origin", "raw", "outside", "in_step")
-
-    def __init__(self, origin: NonFiniteOrigin, raw: tuple, outside: bool, in_step: bool):
-        self.origin, self.raw, self.outside, self.in_step = origin, raw, outside, in_step
-
-
 _RAISED_AT_THE_OP = (
     "Raised at the op, before the program used its result: whether its NaN/inf would reach "
     "the outputs, the loss or the gradients is not known yet (nonfinite=\"raise_reached\" "
     "raises only for origins whose NaN/inf do).")
-
-
-def _reached_error(origins: List[NonFiniteOrigin], at: str) -> NonFiniteError:
-    """track(nonfinite="raise_reached")'s error for the step's undecided
-    origins, which NaN/inf at ``at`` were seen to reach: it names the first
-    never absorbed in another step (reach_rank), else the first."""
-    origins = sorted(origins, key=lambda o: reach_rank(o.reached, o.absorbed_steps))
-    detail = f"Raised where NaN/inf reached {at}."
-    if len(origins) > 1:
-        others = ", ".join(o.op for o in origins[1:4]) + (", ..." if len(origins) > 4 else "")
-        detail += (f" {len(origins) - 1} other origins of the step ({others}) were undecided "
-                   "too: which one's NaN/inf these are is not traced; this one, never absorbed "
-                   "in another step or the first, is the likely cause.")
-    return NonFiniteError(origins[0], detail)
-
-
-def _any_nonfinite(values: Iterable[Any]) -> bool:
-    """Whether a floating tensor among ``values`` holds NaN/inf: CPU tensors
-    read in C++, one sync per other device. The tracker's own reads: no
-    watch checks them."""
-    flags = {}
-    with unwatched():
-        for t in values:
-            if not (isinstance(t, torch.Tensor) and floating_data(t)
-                    and t.layout == torch.strided):
-                continue
-            if t.device.type == "cpu":
-                if not _ops.all_finite(t):
-                    return True
-            else:
-                flags.setdefault(t.device, []).append(
-                    torch.isfinite(_ops.readable(t.detach())).all())
-        return any(not bool(torch.stack(f).all()) for f in flags.values())
-
-
-def _forward_of(module: torch.nn.Module) -> tuple:
-    """(name, file, line) of ``module``'s forward method, e.g.
-    ("Linear.forward", ".../linear.py", 124)."""
-    kind = type(module)
-    name = f"{kind.__name__}.forward"
-    forward = getattr(kind, "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return (name, code.co_filename, code.co_firstlineno) if code is not None else (name,)
-
-
-# The global hooks that tell a thread's watches of its steps: optimizer
-# steps (torch.optim's global step hooks: every Optimizer subclass) and the
-# start of backward (torch.autograd's engine entry, which backward() and
-# autograd.grad() both call, wrapped as torch.compiler's own patch of it
-# does). Installed by the first track(nonfinite=...) and kept: removing them
-# while another thread iterates torch's hook dict would break its step.
-_thread_state = threading.local()
-_reach_lock = threading.Lock()
-_reach_installed = False
-
-
-def _thread_watches() -> List["NonFiniteWatch"]:
-    watches = getattr(_thread_state, "watches", None)
-    if watches is None:
-        watches = _thread_state.watches = []
-    return watches
-
-
-def _optimizer_pre_hook(optimizer, args, kwargs) -> None:
-    for watch in list(getattr(_thread_state, "watches", ())):
-        watch._optimizer_step(optimizer, before=True)
-
-
-def _optimizer_post_hook(optimizer, args, kwargs) -> None:
-    for watch in list(getattr(_thread_state, "watches", ())):
-        watch._optimizer_step(optimizer, before=False)
-
-
-def _install_reach_hooks() -> None:
-    global _reach_installed
-    with _reach_lock:
-        if not _reach_installed:
-            from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                               register_optimizer_step_pre_hook)
-            register_optimizer_step_pre_hook(_optimizer_pre_hook)
-            register_optimizer_step_post_hook(_optimizer_post_hook)
-            _reach_installed = True
-        # Looked at on every track: a patch of torch's own (make_fx's) that
-        # began before the first and ended after it restores what it saved.
-        run_backward = torch.autograd.graph._engine_run_backward
-        if getattr(run_backward, "_torchcast_reach", False):
-            return
-
-        def _engine_run_backward(t_outputs, *args, **kwargs):
-            watches = getattr(_thread_state, "watches", None)
-            if watches and not torch.compiler.is_compiling():
-                outputs = [t_outputs] if isinstance(t_outputs, torch.Tensor) else t_outputs
-                for watch in list(watches):
-                    watch._backward_from(outputs)
-            return run_backward(t_outputs, *args, **kwargs)
-
-        _engine_run_backward.__wrapped__ = run_backward
-        _engine_run_backward.__doc__ = run_backward.__doc__
-        _engine_run_backward._torchcast_reach = True
-        torch.autograd.graph._engine_run_backward = _engine_run_backward
-        torch.autograd._engine_run_backward = _engine_run_backward
 
 
 class unwatched:

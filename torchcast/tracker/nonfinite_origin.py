@@ -81,7 +81,7 @@ class NonFiniteOrigin:
     the steps in which its calls were absorbed. When NaN/inf reach, every
     undecided origin of the step is marked reached (which one's values they
     were is not traced): one absorbed in other steps is likely a bystander,
-    and is listed after those never absorbed. The rule: nonfinite.py.
+    and is listed after those never absorbed. The rule: reach.py.
 
     In backward, ``forward``, ``forward_file`` and ``forward_line`` name the
     forward method of the module that made ``node`` and where it is defined

@@ -1,25 +1,28 @@
 """Record and Report: the casts of a track() block merged by site, read
-back (one transfer per device), printed, serialized, and merged across
-ranks. Until read, a site's stats stay tensors on the cast's device."""
+back (one transfer per device), and merged across ranks and processes.
+Until read, a site's stats stay tensors on the cast's device.
+
+Report's methods are where its users call them; those that write it out
+delegate: to report_table.py (the text table), report_dict.py (the dict
+form, JSON, and atomic writes), html.py and tensorboard.py.
+"""
 import dataclasses
 import json
-import math
-import os
-import secrets
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from ..stats import (STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors,
-                     short_dtype_name)
+from ..stats import STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors
 from ..violations import Violations, ViolationsSpec
-from .health import (FORMATS, HeadroomRow, HeadroomTable, HealthWatch, ModuleHealth,
-                     headroom_lines, headroom_table, health_lines)
+from .health import HeadroomTable, HealthWatch, ModuleHealth, headroom_lines, headroom_table
 from .html import render_html
 from .nonfinite import NonFiniteWatch
 from .nonfinite_origin import NonFiniteOrigin, reach_rank
 from .regions import CompiledRegion
+from .report_dict import (json_float, origin_from_dict, report_from_dict, report_to_dict,
+                          write_text)
+from .report_table import render_table
 from .sites import short_path
 from .tensorboard import write_tensorboard
 
@@ -27,57 +30,6 @@ from .tensorboard import write_tensorboard
 # same key merge into one Record.
 SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype,
                 Optional[str]]
-
-_LOSS_COLUMNS = ("inexact", "nan", "overflow", "saturated", "underflow", "subnormal")
-
-# Strict JSON has no inf or NaN, yet they are what a report exists for (a
-# cast whose every element overflowed, an op's infinite input): a float field
-# of to_dict() holds a number or one of these strings, which any JSON parser
-# reads and float() turns back into the float.
-NONFINITE_STRINGS = ("inf", "-inf", "nan")
-
-
-def json_float(value: Any) -> Any:
-    """``value`` with every non-finite float in it (inside dicts and lists
-    too) as "inf", "-inf" or "nan"; anything else unchanged.
-
-    Args:
-        value: a JSON-ready value (dicts, lists, numbers, strings, None).
-    """
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)  # Python never writes "-nan"
-    if isinstance(value, dict):
-        return {k: json_float(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_float(v) for v in value]
-    return value
-
-
-def float_from_json(value: Any, field: str) -> Any:
-    """The float a to_dict() float field holds: a number (or None) as it
-    is, "inf"/"-inf"/"nan" as the float.
-
-    Args:
-        value: the field's value.
-        field: its name, for the error.
-
-    Raises:
-        ValueError: a string other than those three.
-    """
-    if isinstance(value, str):
-        if value not in NONFINITE_STRINGS:
-            raise ValueError(f"torchcast.Report.from_dict: {field} must be a number or one of "
-                             f"{', '.join(map(repr, NONFINITE_STRINGS))}, got {value!r}")
-        return float(value)
-    return value
-
-
-def _phrase_kind(phrase):
-    """The kind a violation phrase names ("12 overflow" -> "overflow",
-    "max rel err > rtol=1e-3" -> "rtol=1e-3")."""
-    if phrase.startswith("max "):
-        return phrase.split("> ")[-1]
-    return phrase.split(" ", 1)[1].replace("graph cuts", "graph cut")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +121,6 @@ class Record:
             "graph_cuts": self.graph_cuts, "imag_dropped": self.imag_dropped,
             "double_rounded": self.double_rounded, "stats": stats,
         }
-
-
-def undone_upcast_message(up: Record) -> str:
-    """What to say of a program's upcast that autocast undoes at its line."""
-    src, dst = short_dtype_name(up.src_dtype), short_dtype_name(up.dtype)
-    return (f"this upcast {src}->{dst} has no effect under autocast, which casts the op's "
-            f"inputs back to {src} at the same line; wrap the region in "
-            "torch.autocast(..., enabled=False) to compute it in " + dst)
 
 
 class _Site:
@@ -381,58 +325,7 @@ class Report:
         Returns:
             A summary line, then one line per site.
         """
-        records = self.records
-        lines = _nonfinite_lines(self)
-        shown = records if limit is None else records[:limit]
-        bad = sum(1 for r in records if r.violations(self.rtol, self.atol, self.kinds))
-        calls = sum(r.calls for r in records)
-        head = (f"torchcast.track: {len(records)} cast sites, {calls} casts, "
-                f"{bad} with violations (worst first)")
-        if not records:  # a track that only watches says nothing of casts
-            only_watching = lines or self.health_watch is not None
-            return "\n".join((lines if only_watching else [head]) + self._health_lines()
-                             + self._region_lines())
-        rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
-                 "violations", "notes")]
-        for r in shown:
-            s = r.stats
-            losses = ([str(getattr(s, c)) for c in _LOSS_COLUMNS] + [f"{s.max_rel_err:.3g}"]
-                      if r.measured else ["-"] * (len(_LOSS_COLUMNS) + 1))
-            found = r.violations(self.rtol, self.atol, self.kinds)
-            flagged = ", ".join(_phrase_kind(p) for p in found)
-            notes = [n for n in r.notes(self.kinds) if _phrase_kind(n).split()[0] not in _LOSS_COLUMNS]
-            if r.double_rounded:
-                notes.append(f"{r.double_rounded} double-rounded by torch")
-            if r.origin.startswith("promotion"):
-                notes.append(f"a float64 operand made the result float64: the "
-                             f"{short_dtype_name(r.src_dtype)} operands were computed on in "
-                             "float64")
-            rows.append((r.site, r.origin, str(r.calls),
-                         f"{short_dtype_name(r.src_dtype)}->{short_dtype_name(r.dtype)}",
-                         str(s.numel), *losses, flagged, "; ".join(notes)))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines.append(head)
-        for row in rows:
-            cells = [c.ljust(w) if i in (0, 1, 3, len(row) - 2, len(row) - 1) else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(row, widths))]
-            lines.append("  ".join(cells).rstrip())
-        if len(shown) < len(records):
-            lines.append(f"... {len(records) - len(shown)} more sites")
-        for up, back in self.undone_upcasts():
-            lines.append(f"{up.site}: {undone_upcast_message(up)}")
-        return "\n".join(lines + self._health_lines() + self._region_lines())
-
-    def _health_lines(self):
-        return health_lines(self.health_watch) if self.health_watch is not None else []
-
-    def _region_lines(self):
-        regions = self.compiled_regions
-        if not regions:
-            return []
-        n = len(regions)
-        return ([f"torchcast.track: {n} torch.compile'd region{'s' if n != 1 else ''} with "
-                 "what this track could not watch inside:"]
-                + [f"  {r.describe()}" for r in regions])
+        return render_table(self, limit)
 
     def __str__(self) -> str:
         return self.table()
@@ -452,28 +345,7 @@ class Report:
             non-finite float is the string "inf", "-inf" or "nan" (see
             ``to_json``).
         """
-        records = []
-        for r in self.records:
-            record = r.to_dict()
-            record["violations"] = r.violations(self.rtol, self.atol, self.kinds)
-            records.append(record)
-        data = {"format": "torchcast.track.Report", "version": 1, "rtol": self.rtol,
-                "atol": self.atol, "violations": str(self.kinds), "records": records}
-        if self.nonfinite_watch is not None:
-            data["nonfinite"] = [o.to_dict() for o in self.nonfinite]
-            data["propagated"] = self.propagated
-        if self.compiled_regions:
-            data["compiled_regions"] = [r.to_dict() for r in self.compiled_regions]
-        if self.health_watch is not None:
-            # On the host once: each row is read for 8 headroom entries.
-            rows = [dataclasses.replace(r, health=r.health.cpu()) for r in self.health]
-            data["health"] = [r.to_dict() for r in rows]
-            data["headroom"] = [
-                HeadroomRow(r.module, r.phase, r.dtype, r.headroom(fmt, scale)).to_dict()
-                for r in rows for fmt in FORMATS for scale in (None, "amax")]
-        # The records' stats are encoded already; this covers rtol/atol, the
-        # origins' input amax, the health extrema and any float added later.
-        return json_float(data)
+        return report_to_dict(self)
 
     def to_json(self, **kwargs: Any) -> str:
         """``to_dict()`` as strict JSON (RFC 8259), which any JSON parser
@@ -535,25 +407,7 @@ class Report:
         Returns:
             A Report with the same records.
         """
-        if data.get("format") != "torchcast.track.Report":
-            raise ValueError("torchcast.Report.from_dict: not a torchcast.track report "
-                             f"(format={data.get('format')!r})")
-        report = cls(float_from_json(data.get("rtol"), "rtol"),
-                     float_from_json(data.get("atol"), "atol"), data.get("violations"))
-        report.merge_records(data["records"])
-        if "nonfinite" in data:
-            watch = report.nonfinite_watch = NonFiniteWatch("record")
-            watch.propagated = data.get("propagated", 0)
-            for d in data["nonfinite"]:
-                origin = _origin_from_dict(d)
-                watch.origins[origin.key] = origin
-        report.compiled_regions = [CompiledRegion.from_dict(d)
-                                   for d in data.get("compiled_regions", ())]
-        if "health" in data:
-            rows = [dict(d, **{k: float_from_json(d[k], f"a health row's {k}")
-                               for k in ("amax", "min_nonzero")}) for d in data["health"]]
-            report.health_watch = HealthWatch.from_dicts(rows)
-        return report
+        return report_from_dict(cls, data)
 
     @classmethod
     def from_json(cls, text: str) -> "Report":
@@ -606,7 +460,7 @@ class Report:
         with watch.lock:
             watch.propagated += propagated
             for d in origins:
-                origin = _origin_from_dict(d)
+                origin = origin_from_dict(d)
                 known = watch.origins.get(origin.key)
                 if known is None:
                     watch.origins[origin.key] = origin
@@ -641,32 +495,6 @@ class Report:
         return self
 
 
-def _origin_from_dict(d: Dict[str, Any]) -> NonFiniteOrigin:
-    """A NonFiniteOrigin from its to_dict() form, an input's amax possibly
-    one of the strings "inf", "-inf", "nan"."""
-    d = dict(d, inputs=[dict(i, amax=float_from_json(i["amax"], "an input's amax"))
-                        for i in d["inputs"]])
-    return NonFiniteOrigin.from_dict(d)
-
-
-def _nonfinite_lines(report: Report) -> List[str]:
-    """The table's opening lines on non-finite origins (none without a watch)."""
-    if report.nonfinite_watch is None:
-        return []
-    origins = report.nonfinite
-    reached = sum(1 for o in origins if o.reached)
-    absorbed = sum(1 for o in origins if o.reached is False)
-    lines = [f"torchcast.track: {len(origins)} op{'' if len(origins) == 1 else 's'} made NaN/inf "
-             f"from finite inputs ({reached} reached the outputs, loss or gradients, listed "
-             f"first; {absorbed} absorbed; each in time order), {report.propagated} op calls "
-             "passed NaN/inf on"]
-    # A stable sort: time order within each rank.
-    for o in sorted(origins, key=lambda o: reach_rank(o.reached, o.absorbed_steps)):
-        calls = f" [{o.count} calls]" if o.count > 1 else ""
-        lines.append(f"  {o.describe()}{calls}")
-    return lines
-
-
 def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, measured: bool,
                calls: int = 1, numel: int = 0, graph_cuts: int = 0,
                imag: Optional[Count] = None, double_rounded: Optional[Count] = None) -> None:
@@ -699,28 +527,6 @@ def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, m
             site.buf.append(stats)
             if len(site.buf) >= _Site.COLLAPSE:
                 site.buf = [site.merged()]
-
-
-def write_text(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically: into a new file beside it,
-    then renamed over it, so that a reader (or a crash) never sees an empty
-    or partial report. The new file gets the mode ``open()`` would give.
-
-    Args:
-        path: the file to write (a symlink is written through).
-        text: the contents (UTF-8).
-    """
-    path = os.path.realpath(path)
-    tmp = os.path.join(os.path.dirname(path),
-                       f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with open(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _to_host(values: List[Optional[Count]]) -> list:
