@@ -37,7 +37,7 @@ from . import compiled
 from .mode import install, pop_mode, push_mode, uninstall
 from .modules import current_module
 from .health import HealthWatch
-from . import nonfinite
+from . import nonfinite, ranks
 from .nonfinite import NonFiniteWatch, check_action
 from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
 from .regions import RegionWatch
@@ -61,6 +61,7 @@ class _Recording:
         self.watch_in_cpp = False  # served by the C++ watch (nonfinite.checked_in_cpp)
         self.health = None  # the module health of track(health=True)
         self.regions = None  # the compiled regions that run in the block (regions.py)
+        self.ranks = None  # the collectives the non-finite watch follows (ranks.py)
 
     def _in_worker(self):
         spool = self.spool
@@ -254,6 +255,7 @@ class track:
             else:
                 push_mode(watch=recording.watch)
             watch.start()
+            recording.ranks = ranks.start(watch)
         if self.health:
             recording.health = recording.report.health_watch = HealthWatch()
             recording.health.start()
@@ -278,7 +280,9 @@ class track:
                     nonfinite.stop_cpp(recording.watch)
                 else:
                     pop_mode(watch=recording.watch)
-                reached = recording.watch.finish(failed=exc[0] is not None)
+                arrived = ranks.finish(recording.ranks, recording.report,
+                                       failed=exc[0] is not None)
+                reached = recording.watch.finish(failed=exc[0] is not None) or arrived
             if self.all_casts:
                 remove_other_thread_recorder(recording.record_safe_to)
                 set_all_casts_track(False)

@@ -22,6 +22,10 @@ _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
           torch.float32: torch.float64}
 
 
+# NonFiniteOrigin.rank left out: the rank of the process that makes the origin.
+_CURRENT_RANK = -1
+
+
 class NonFiniteWarning(UserWarning):
     """An op made NaN or ±inf from finite inputs (``track(nonfinite="warn")``)."""
 
@@ -114,13 +118,29 @@ class NonFiniteOrigin:
     forward: Optional[str] = None  # in backward: e.g. "Linear.forward"
     forward_file: Optional[str] = None
     forward_line: Optional[int] = None
+    # Across torch.distributed ranks (ranks.py): the rank that found it (None
+    # outside a process group; left out, the process's rank when made);
+    # for NaN/inf that arrived through a collective (its output non-finite,
+    # this rank's input finite: a propagation, not an origin), the
+    # collective ("all_reduce", "reduce_scatter", "all_gather", ...), its
+    # number ("group#n"), and the ranks whose input was non-finite (None:
+    # not known; Report.merge_ranks fills it).
+    rank: Optional[int] = _CURRENT_RANK
+    arrived_through: Optional[str] = None
+    from_ranks: Optional[List[int]] = None
+    collective: Optional[str] = None
     # Not part of what an origin is: two reports of the same origins are equal.
     time: Optional[float] = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.rank is _CURRENT_RANK:
+            from .ranks import current_rank
+            self.rank = current_rank()
 
     @property
     def key(self) -> tuple:
         return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via,
-                self.worker)
+                self.worker, self.rank)
 
     def describe(self) -> str:
         """One paragraph: what, where, in which step, whether it reached the
@@ -128,6 +148,8 @@ class NonFiniteOrigin:
         where = f"{short_path(self.file)}:{self.line}" + (f" via {self.via}" if self.via else "")
         if self.worker is not None:
             where += f" [worker {self.worker}]"
+        if self.rank is not None:
+            where += f" [rank {self.rank}]"
         if self.phase == "backward":
             made = (f"made by {self.module}'s forward" if self.module
                     else "made outside any tracked module's forward")
@@ -145,8 +167,26 @@ class NonFiniteOrigin:
         found = ", ".join(f"{n} {what}" for n, what in
                           ((self.nan, "NaN"), (self.posinf, "+inf"), (self.neginf, "-inf")) if n)
         inputs = "; ".join(i.describe() for i in self.inputs) or "no floating tensor inputs"
+        if self.arrived_through is not None:
+            return (f"{found} arrived through the {self.arrived_through} ({self.op}) "
+                    f"{phase}, at {where}: this rank's input to it was finite (amax: {inputs}), "
+                    f"its {short_dtype_name(self.dtype)} output was not, so they were made "
+                    f"{self.came_from()}: a propagation, not an origin.{reach}")
         return (f"{self.op} made {found} in its {short_dtype_name(self.dtype)} output from finite "
                 f"inputs {phase}, at {where}.{reach} Inputs: {inputs}. {self.note}")
+
+    def came_from(self) -> str:
+        """Where an arrival's NaN/inf were made, e.g. "on rank 1 (whose
+        input to it was non-finite)"."""
+        ranks = self.from_ranks
+        if ranks is None:
+            return "on another rank (Report.merge_ranks names which)"
+        if not ranks:
+            return ("by the collective itself: every rank's input was finite (a sum that "
+                    "overflowed)")
+        names = ", ".join(map(str, ranks))
+        return (f"on rank{'s' if len(ranks) > 1 else ''} {names} (whose input to it was "
+                "non-finite)")
 
     def reach_text(self) -> str:
         """Whether its NaN/inf reached the outputs or the loss, e.g.
@@ -176,6 +216,7 @@ class NonFiniteOrigin:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "NonFiniteOrigin":
         d = dict(d)
+        d.setdefault("rank", None)  # a report written before ranks were recorded
         d["dtype"] = dtype_from_name(d["dtype"])
         d["inputs"] = [InputInfo(dtype_from_name(i["dtype"]), tuple(i["shape"]), i["amax"],
                                  i.get("overwritten", False))

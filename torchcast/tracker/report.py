@@ -494,6 +494,25 @@ class Report:
             self.merge_records(records)
         return self
 
+    def merge_ranks(self, dst: Optional[int] = 0, group: Optional[Any] = None
+                    ) -> Optional["Report"]:
+        """One report of every rank's casts, non-finite origins (each with
+        its ``rank``; by step, then made on a rank before arrived through a
+        collective) and health rows (labelled "[rank N] module"), gathered
+        with one ``gather_object`` (``all_gather_object`` with dst=None).
+        Every rank of ``group`` calls it once, after the track (ranks.py).
+
+        Args:
+            dst: the rank that receives the merged report (None: every rank).
+            group: the torch.distributed process group (None: the world).
+
+        Returns:
+            A new Report on ``dst`` (on every rank with dst=None), None on
+            the other ranks.
+        """
+        from .ranks import merge_ranks
+        return merge_ranks(self, dst, group)
+
 
 def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, measured: bool,
                calls: int = 1, numel: int = 0, graph_cuts: int = 0,

@@ -1,0 +1,208 @@
+"""track(nonfinite=...) across 2 gloo ranks (issue 31): DDP and FSDP2, where
+rank 1 alone makes an inf at optimizer step 2 (its input times 1e39 in
+float32). Each rank runs in its own process (this file run as a script), so
+that "raise" shows that the other rank stops by itself, within the gloo
+timeout, and the CLI under torchrun."""
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="this torch build has no torch.distributed with gloo")
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TIMEOUT_S = 90
+GLOO_TIMEOUT_S = 20
+BAD_STEP, BAD_RANK = 2, 1
+BAD_LINE = "x = x * 1e39  # the inf"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def run_ranks(kind, action, out_dir):
+    """Runs this file as rank 0 and rank 1; returns [(returncode, stderr)]."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, HERE, kind, action, str(rank), port, str(out_dir)],
+                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    results = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"rank {procs.index(p)} did not finish in {TIMEOUT_S} s")
+        results.append((p.returncode, err))
+    return results
+
+
+# --- what each rank runs ------------------------------------------------------------------
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def train(model, rank, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 8, generator=gen)
+        if rank == BAD_RANK and step == BAD_STEP:
+            x = x * 1e39  # the inf
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def worker(kind, action, rank, port, out_dir):
+    import torchcast
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    model = make_model()
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    with torchcast.track(nonfinite=action, health=True) as report:
+        train(model, rank)
+    alone = report.to_dict()
+    merged = report.merge_ranks(dst=0)
+    if rank == 0:
+        with open(os.path.join(out_dir, "merged.json"), "w") as f:
+            f.write(merged.to_json())
+        with open(os.path.join(out_dir, "alone0.json"), "w") as f:
+            json.dump(alone, f)
+        print(merged.table(), file=sys.stderr)
+    else:
+        assert merged is None
+    del model
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --- the tests ------------------------------------------------------------------------------
+def check_merged(out_dir, collective, reach_checked=True):
+    from torchcast.tracker.report import Report
+    merged = Report.from_json((out_dir / "merged.json").read_text())
+    origins = merged.nonfinite
+    made = [o for o in origins if o.arrived_through is None]
+    arrived = [o for o in origins if o.arrived_through is not None]
+    first = origins[0]
+    # rank 1 made it, at that step and op, at that line
+    assert (first.rank, first.op, first.step, first.step_kind, first.arrived_through) == \
+        (BAD_RANK, "aten::mul", BAD_STEP, "optimizer step", None), first
+    assert open(first.file).read().splitlines()[first.line - 1].strip() == BAD_LINE
+    assert "[rank 1]" in first.describe()
+    assert all(o.rank == BAD_RANK for o in made), made
+    # rank 0's NaN arrived through the gradient's collective, from rank 1
+    mine = [o for o in arrived if o.rank == 0]
+    assert mine, origins
+    assert mine[0].arrived_through == collective
+    assert mine[0].step == BAD_STEP and mine[0].from_ranks == [BAD_RANK]
+    if reach_checked:
+        assert mine[0].reached
+    assert "made on rank 1" in mine[0].describe() and "not an origin" in mine[0].describe()
+    assert origins.index(mine[0]) > origins.index(first)
+    # rank 0 alone made nothing: no origin of its own
+    alone = json.loads((out_dir / "alone0.json").read_text())
+    assert all(o["arrived_through"] for o in alone["nonfinite"]), alone["nonfinite"]
+    # health rows of both ranks, labelled
+    labels = {r.module.split("]")[0] + "]" for r in merged.health}
+    assert labels == {"[rank 0]", "[rank 1]"}
+
+
+def test_ddp_merged_report_names_rank_step_and_op(tmp_path):
+    results = run_ranks("ddp", "record", tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    check_merged(tmp_path, "all_reduce")
+
+
+def test_fsdp2_merged_report_names_rank_step_and_op(tmp_path):
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
+    results = run_ranks("fsdp", "record", tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    # The reach checks (reach.py) read plain tensors only: FSDP2's DTensor
+    # gradients and parameters are not read, so whether rank 0's NaN
+    # reached is not decided right there (a known gap, see docs/ranks.md).
+    check_merged(tmp_path, "reduce_scatter", reach_checked=False)
+
+
+def test_raise_stops_both_ranks_without_a_hang(tmp_path):
+    results = run_ranks("ddp", "raise", tmp_path)
+    (code0, err0), (code1, err1) = results
+    assert code1 != 0 and code0 != 0, results
+    assert "NonFiniteError" in err1 and "aten::mul" in err1 and "[rank 1]" in err1, err1
+    assert f"optimizer step {BAD_STEP}" in err1, err1
+    # rank 0 fails in its next collective, with gloo's error
+    assert "NonFiniteError" not in err0, err0
+
+
+SCRIPT = f'''
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in (1, 2, 3):
+    x = torch.randn(3, 4)
+    if rank == 1 and step == 2:
+        x = x * 1e39  # the inf
+    model(x.half().float()).sum().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+'''
+
+
+def test_cli_under_torchrun_writes_one_report(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "torchcast", "track", "--nonfinite", "record", "--json", str(out), str(script)]
+    p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+                       cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert not list(tmp_path.glob("report.rank*.json"))
+    origins = data["nonfinite"]
+    assert origins[0]["rank"] == 1 and origins[0]["op"] == "aten::mul" and origins[0]["step"] == 2
+    assert any(o["rank"] == 0 and o["arrived_through"] == "all_reduce" and o["from_ranks"] == [1]
+               for o in origins), origins
+    # both ranks' casts (x.half() on each), merged by site: 2 ranks x 3 steps
+    halves = [r for r in data["records"] if r["dtype"] == "torch.float16"]
+    assert halves and sum(r["calls"] for r in halves) == 6
+
+
+if __name__ == "__main__":
+    kind, action, rank, port, out_dir = sys.argv[1:]
+    worker(kind, action, int(rank), port, out_dir)
