@@ -80,7 +80,8 @@ def test_health_names_the_modules_it_cannot_see(overflowing):
     assert unwatched == ("the health of the modules inside it (their hooks do not run)",)
     back = type(report).from_json(report.to_json())
     assert back.compiled_regions == report.compiled_regions
-    assert json.loads(report.to_json())["compiled_regions"][0]["function"] == "forward"
+    listed = json.loads(report.to_json())["compiled_regions"]
+    assert [r["function"] for r in listed if r["file"] == __file__] == ["forward"]
 
 
 def test_the_html_page_lists_them(overflowing, tmp_path):
@@ -94,6 +95,9 @@ def test_the_html_page_lists_them(overflowing, tmp_path):
 
 
 def test_a_region_compiled_in_a_track_is_marked_as_run_there():
+    # A process that has compiled many frames (the whole suite) may have
+    # reached Dynamo's limits: start afresh so that this one compiles.
+    torch.compiler.reset()
     f = torch.compile(lambda t: torch.exp(t * 100.0))  # overflows inside one fused kernel
     with torchcast.track(nonfinite="record") as report:
         y = f(torch.ones(3))

@@ -25,8 +25,9 @@ from .sites import short_path
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
-# Compile ids compiled while some track(all_casts=True) was active: their
-# casts are measured (compiled.py instruments them).
+# The frames (_compiled_functions' keys) compiled while some
+# track(all_casts=True) was active: their casts are measured (compiled.py
+# instruments them).
 _instrumented = set()
 
 
@@ -68,9 +69,11 @@ class CompiledRegion:
                    bool(d.get("compiled_in_track")), tuple(d.get("unwatched", ())))
 
 
-def _compiled_functions() -> Dict[str, Tuple[str, str, int]]:
-    """{compile id: (function, file, first line)} from Dynamo's compilation
-    metrics (empty where Dynamo is not imported)."""
+def _compiled_functions() -> Dict[tuple, Tuple[str, str, int]]:
+    """{(compile id, start time): (function, file, first line)} of the
+    frames Dynamo compiled into guarded code, from its compilation metrics
+    (empty where Dynamo is not imported). The start time keys them: compile
+    ids start again from 0/0 after torch.compiler.reset()."""
     if "torch._dynamo" not in sys.modules:
         return {}
     try:
@@ -78,8 +81,8 @@ def _compiled_functions() -> Dict[str, Tuple[str, str, int]]:
         metrics = get_compilation_metrics()
     except (ImportError, AttributeError):  # pragma: no cover - another torch
         return {}
-    return {str(m.compile_id): (m.co_name, m.co_filename, m.co_firstlineno)
-            for m in metrics if m.compile_id is not None}
+    return {(str(m.compile_id), m.start_time): (m.co_name, m.co_filename, m.co_firstlineno)
+            for m in metrics if m.compile_id is not None and m.has_guarded_code is not False}
 
 
 class RegionWatch:
@@ -96,19 +99,19 @@ class RegionWatch:
 
     def stop(self) -> List[CompiledRegion]:
         """The regions with something this track could not watch inside,
-        in compile-id order."""
+        in the order they were compiled."""
         functions = _compiled_functions()
         compiled_here = set(functions) - self.compiled_before
         all_casts, nonfinite, health = self.features
         if all_casts and self.instrumenting:
             _instrumented.update(compiled_here)
         regions = []
-        for compile_id in sorted(functions, key=_id_order):
-            function, file, line = functions[compile_id]
-            missed = _unwatched(compile_id, all_casts, nonfinite, health)
+        for key in sorted(functions, key=lambda k: (k[1] or 0.0, _id_order(k[0]))):
+            function, file, line = functions[key]
+            missed = _unwatched(key, all_casts, nonfinite, health)
             if missed and not _own_code(file):
-                regions.append(CompiledRegion(compile_id, function, file, line,
-                                              compile_id in compiled_here, missed))
+                regions.append(CompiledRegion(key[0], function, file, line, key in compiled_here,
+                                              missed))
         return regions
 
 
@@ -121,9 +124,9 @@ def _id_order(compile_id: str):
     return tuple(int(p) if p.isdigit() else 0 for p in parts)
 
 
-def _unwatched(compile_id: str, all_casts: bool, nonfinite: bool, health: bool) -> Tuple[str, ...]:
+def _unwatched(key: tuple, all_casts: bool, nonfinite: bool, health: bool) -> Tuple[str, ...]:
     missed = []
-    if all_casts and compile_id not in _instrumented:
+    if all_casts and key not in _instrumented:
         missed.append("its casts (compiled outside any track(all_casts=True), or inside one "
                       "entered before torch.compile was first used: Inductor's kernels cast "
                       "without dispatching; torch.compiler.reset() before a track entered after "
