@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import torchcast
+from torchcast import _ops
 
 warnings.filterwarnings("ignore", message=".*(beta|prototype).*", category=UserWarning)
 
@@ -50,7 +51,8 @@ def test_casts_in_another_thread_pass_through():
         t.start()
         t.join()
     assert out["y"].layout == torch.sparse_coo and torch.equal(out["y"].to_dense(), x.to_dense().half())
-    assert [r.measured for r in report.records] == [False]
+    # (the build without the extension does not see other threads' casts, and says so)
+    assert [r.measured for r in report.records] == ([False] if _ops.WITH_EXTENSION else [])
 
 
 class Sparsify(torch.nn.Module):
