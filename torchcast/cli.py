@@ -119,10 +119,6 @@ def build_parser():
                              "histograms, amax, zeros, subnormals) and print their headroom: what "
                              "a cast to float16, bfloat16, float8_e4m3fn and float8_e5m2 would "
                              "lose, at scale 1 and at a power-of-two amax scale")
-    parser.add_argument("--per-rank", action="store_true",
-                        help="under torchrun: every rank writes its own report, with .rankN "
-                             "before the extension of --json and --html (default: rank 0 "
-                             "gathers every rank's report and writes one)")
     parser.add_argument("--top", type=_top, metavar="N",
                         help="print only the N worst sites (0: only the summary lines)")
     parser.add_argument("script", metavar="SCRIPT.py")
@@ -159,33 +155,12 @@ def _print_script_error(exc, script):
     sys.stderr.write("".join(lines))
 
 
-def _across_ranks(report, code: int, opts):
-    """Under torchrun: (the report to print and write, --json, --html) on
-    the rank that writes, (None, None, None) on the others. Rank 0 gathers
-    every rank's report (one gather_object), unless --per-rank (each rank
-    writes its own, .rankN in the file names) or the script failed on this
-    rank (the other ranks may be inside a collective: a gather could not
-    complete; each failed rank then writes its own)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return report, opts.json, opts.html  # the script made no process group
-    rank = dist.get_rank()
-    if opts.per_rank or code != 0:
-        if code != 0 and not opts.per_rank:
-            print(f"torchcast: rank {rank}: the script failed, so this rank's report is not "
-                  f"gathered; it is written with .rank{rank} in the file names", file=sys.stderr)
-        return report, *(ranks.per_rank_path(p, rank) if p else None
-                         for p in (opts.json, opts.html))
-    try:
-        merged = ranks.merge_ranks(report, dst=0)
-    except Exception as e:  # another rank left: its error is the one to read
-        print(f"torchcast: rank {rank}: could not gather the ranks' reports ({e}); writing "
-              f"this rank's own, with .rank{rank} in the file names", file=sys.stderr)
-        return report, *(ranks.per_rank_path(p, rank) if p else None
-                         for p in (opts.json, opts.html))
-    if merged is None:
-        return None, None, None
-    return merged, opts.json, opts.html
+def _rank_paths(opts):
+    """Under torchrun (RANK and WORLD_SIZE set): --json and --html with
+    .rankN before the extension, so that every rank writes its own report
+    (Report.merge_ranks, called in the script, makes one of them)."""
+    rank = int(os.environ["RANK"])
+    return tuple(ranks.per_rank_path(p, rank) if p else None for p in (opts.json, opts.html))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -219,11 +194,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))
     code = 0
     tracking = os.getpid()
-    # Under torchrun the script's destroy_process_group() waits for the
-    # gather of the reports after its end.
-    destroy = ranks.deferred_destroy() if ranks.launched_by_torchrun() else None
-    if destroy is not None:
-        destroy.__enter__()
     try:
         with track(all_casts=True, policy=opts.policy, violations=opts.violations,
                    nonfinite=opts.nonfinite, health=opts.health) as report:
@@ -238,20 +208,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-        if destroy is not None:
-            destroy.__exit__(None, None, None)
     if os.getpid() != tracking:
         # A process the script forked, run on to the script's end: its track
         # left its records for the tracking process, which reports them all.
         return code
-    if destroy is not None:
-        try:
-            report, json_path, html_path = _across_ranks(report, code, opts)
-        finally:
-            destroy.run()
-        if report is None:
-            return code  # another rank writes the report
-        opts.json, opts.html = json_path, html_path
+    if ranks.launched_by_torchrun():
+        opts.json, opts.html = _rank_paths(opts)
     print(report.table(limit=opts.top), file=sys.stderr)
     if opts.health:
         print(report.headroom_summary(), file=sys.stderr)

@@ -487,43 +487,6 @@ def launched_by_torchrun() -> bool:
         return False
 
 
-class deferred_destroy:
-    """``with deferred_destroy() as d:`` a script's
-    ``torch.distributed.destroy_process_group()`` of the default group is put
-    off until ``d.run()``, so that the CLI can gather the ranks' reports
-    after the script's end."""
-
-    def __enter__(self):
-        self.calls = []
-        dist = torch.distributed
-        if not dist.is_available():
-            self.saved = None
-            return self
-        import torch.distributed.distributed_c10d as c10d
-        self.saved = c10d.destroy_process_group
-
-        def destroy_process_group(group=None):
-            if group is None or group is c10d.GroupMember.WORLD:
-                self.calls.append(group)
-                return None
-            return self.saved(group)
-
-        destroy_process_group.__doc__ = self.saved.__doc__
-        c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            import torch.distributed.distributed_c10d as c10d
-            c10d.destroy_process_group = torch.distributed.destroy_process_group = self.saved
-        return False
-
-    def run(self) -> None:
-        """Destroys the default group if the script asked to."""
-        if self.calls and self.saved is not None and torch.distributed.is_initialized():
-            self.saved()
-
-
 def per_rank_path(path: str, rank: int) -> str:
     """"report.json" -> "report.rank1.json"."""
     root, ext = os.path.splitext(path)
