@@ -2,6 +2,9 @@ import pytest
 import torch
 from hypothesis import settings
 
+from torchcast import _ops
+from torchcast.tracker import nonfinite
+
 settings.register_profile("torchcast", deadline=None, print_blob=True)
 settings.load_profile("torchcast")
 
@@ -52,6 +55,18 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     for reason, n in sorted(_DESELECTED.items()):
         terminalreporter.write_line(f"torchcast: {n} deselected: {reason}")
+
+
+@pytest.fixture(params=["cpp", "mode"])
+def nonfinite_engine(request, monkeypatch):
+    """Which check serves track(nonfinite=...) but "raise": the C++ per-op
+    callback (CPU programs, with the extension) or the dispatch mode (what
+    "raise" and CUDA programs take), forced here on the CPU."""
+    if request.param == "cpp" and not _ops.WITH_EXTENSION:
+        pytest.skip("the C++ check is part of the compiled extension")
+    if request.param == "mode":
+        monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
+    return request.param
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=needs_cuda)])

@@ -24,8 +24,6 @@ import pytest
 import torch
 
 import torchcast
-from torchcast import _ops
-from torchcast.tracker import nonfinite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torchcast.__file__)))
 LINE = {}
@@ -184,17 +182,7 @@ def _loader():
                                        multiprocessing_context="fork")
 
 
-@pytest.fixture(params=["cpp", "mode"])
-def path(request, monkeypatch):
-    """Which check serves "record": the C++ per-op callback or the dispatch mode."""
-    if request.param == "cpp" and not _ops.WITH_EXTENSION:
-        pytest.skip("the C++ check is part of the compiled extension")
-    if request.param == "mode":
-        monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
-    return request.param
-
-
-def test_worker_origin_listed_in_order_under_record(path, spool_dir):
+def test_worker_origin_listed_in_order_under_record(nonfinite_engine, spool_dir):
     loader = _loader()
     negative = torch.tensor([-1.0])
     with torchcast.track(nonfinite="record") as report:

@@ -20,17 +20,6 @@ from torchcast.tracker import nonfinite
 LINE = {}
 
 
-@pytest.fixture(params=["cpp", "mode"])
-def path(request, monkeypatch):
-    """Which check serves "record" and "warn": the C++ per-op callback (CPU
-    programs, with the extension) or the dispatch mode ("raise", CUDA)."""
-    if request.param == "cpp" and not _ops.WITH_EXTENSION:
-        pytest.skip("the C++ check is part of the compiled extension")
-    if request.param == "mode":
-        monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
-    return request.param
-
-
 def _mark(name):
     """The line of the caller, under ``name`` (the lines the origins must name)."""
     LINE[name] = sys._getframe(1).f_lineno
@@ -65,7 +54,7 @@ def _counts(t):
     return int(np.isnan(a).sum()), int(np.isposinf(a).sum()), int(np.isneginf(a).sum())
 
 
-def test_forward_overflow_in_float16_linear(path):
+def test_forward_overflow_in_float16_linear(nonfinite_engine):
     model = Wide().half()
     x = torch.randn(4, 64).half() * 10
     with torchcast.track(nonfinite="record") as report:
@@ -87,7 +76,7 @@ def test_forward_overflow_in_float16_linear(path):
     assert "aten::addmm made" in str(report)
 
 
-def test_nan_from_log_of_a_negative_in_a_user_function(path):
+def test_nan_from_log_of_a_negative_in_a_user_function(nonfinite_engine):
     x = torch.tensor([[2.0, 0.5, 3.0], [1.5, 4.0, 0.25]], requires_grad=True)
     with torchcast.track(nonfinite="record") as report:
         loss = Scorer()(x)
@@ -102,7 +91,7 @@ def test_nan_from_log_of_a_negative_in_a_user_function(path):
     assert torch.isnan(loss)
 
 
-def test_overflow_only_in_backward(path):
+def test_overflow_only_in_backward(nonfinite_engine):
     model = Wide().half()
     with torch.no_grad():
         model.fc.weight.div_(40)  # forward stays finite
@@ -145,7 +134,7 @@ def test_raise_in_backward():
     assert info.value.phase == "backward" and info.value.node == "AddmmBackward0"
 
 
-def test_warn_once_per_place(path):
+def test_warn_once_per_place(nonfinite_engine):
     x = torch.tensor([0.5, 2.0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -157,7 +146,7 @@ def test_warn_once_per_place(path):
     assert report.first_nonfinite.count == 3
 
 
-def test_nonfinite_inputs_only_propagate(path):
+def test_nonfinite_inputs_only_propagate(nonfinite_engine):
     x = torch.tensor([1.0, float("nan"), 3.0])
     with torchcast.track(nonfinite="record") as report:
         (x * 2).exp().sum()
@@ -167,7 +156,7 @@ def test_nonfinite_inputs_only_propagate(path):
     assert report.propagated == 3  # mul, exp, sum (masked_fill only places its fill value)
 
 
-def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin(path):
+def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin(nonfinite_engine):
     scores = torch.randn(2, 3)
     scores[0] = float("-inf")
     with torchcast.track(nonfinite="record") as report:
@@ -175,7 +164,7 @@ def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin(path):
     assert torch.isnan(out[0]).all() and report.nonfinite == [] and report.propagated == 1
 
 
-def test_in_place_op_reads_its_inputs_before_overwriting_them(path):
+def test_in_place_op_reads_its_inputs_before_overwriting_them(nonfinite_engine):
     x = torch.full((5,), 1e30)
     with torchcast.track(nonfinite="record") as report:
         x.mul_(1e10)
@@ -185,7 +174,7 @@ def test_in_place_op_reads_its_inputs_before_overwriting_them(path):
     assert report.propagated == 1
 
 
-def test_overflowing_cast_is_an_origin(path):
+def test_overflowing_cast_is_an_origin(nonfinite_engine):
     x = torch.tensor([1.0, 7e4, -1e5])
     with torchcast.track(nonfinite="record") as report:
         x.half()
@@ -201,7 +190,7 @@ FLOAT8_OVERFLOWS = [(torch.float8_e5m2, (0, 1, 1)), (torch.float8_e4m3fnuz, (2, 
 
 
 @pytest.mark.parametrize("dtype, counts", FLOAT8_OVERFLOWS, ids=str)
-def test_an_overflowing_float8_cast_is_an_origin(path, dtype, counts):
+def test_an_overflowing_float8_cast_is_an_origin(nonfinite_engine, dtype, counts):
     x = torch.tensor([1.0, 1e6, -1e6])
     y = x.to(dtype)
     assert _counts(y.float()) == counts  # what torch's cast makes, read through float32
@@ -235,7 +224,7 @@ def test_float8_origins_on_the_deferred_flags_path(monkeypatch):
         FLOAT8_OVERFLOWS
 
 
-def test_all_casts_and_nonfinite_together(path):
+def test_all_casts_and_nonfinite_together(nonfinite_engine):
     x = torch.tensor([1.0, 7e4])
     with torchcast.track(all_casts=True, policy="record", nonfinite="record") as report:
         x.half()
@@ -250,7 +239,7 @@ def test_without_nonfinite_nothing_is_checked():
     assert "NaN/inf" not in str(report)
 
 
-def test_program_behaviour_is_unchanged(path):
+def test_program_behaviour_is_unchanged(nonfinite_engine):
     model = Wide().half()
     x = torch.randn(4, 64).half() * 10
     plain = model(x)
@@ -261,7 +250,7 @@ def test_program_behaviour_is_unchanged(path):
 
 
 def test_deferred_flags_path(monkeypatch):
-    """The GPU path (flags on the device, read in batches), run on the CPU."""
+    """The GPU nonfinite_engine (flags on the device, read in batches), run on the CPU."""
     monkeypatch.setattr(nonfinite, "checked_at_once", lambda device: False)
     monkeypatch.setattr(nonfinite, "PENDING_LIMIT", 4)
     model = Wide().half()
@@ -281,7 +270,7 @@ def test_deferred_flags_path(monkeypatch):
             model(x)
 
 
-def test_json_round_trip(path):
+def test_json_round_trip(nonfinite_engine):
     with torchcast.track(nonfinite="record") as report:
         log_score(torch.tensor([0.5, 2.0]))
     data = json.loads(report.to_json())
@@ -295,7 +284,7 @@ def test_bad_action():
         torchcast.track(nonfinite="stop")
 
 
-def test_compiled_function_still_compiles_and_runs(path):
+def test_compiled_function_still_compiles_and_runs(nonfinite_engine):
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
@@ -330,7 +319,7 @@ def test_cli_nonfinite_raise(tmp_path):
     assert "train.py:4" in run.stderr
 
 
-def test_safe_to_overflow_is_an_origin_and_its_stats_are_not(path):
+def test_safe_to_overflow_is_an_origin_and_its_stats_are_not(nonfinite_engine):
     x = torch.tensor([1.0, 7e4])
     with torchcast.track(nonfinite="record") as report:
         torchcast.safe_to(x, torch.float16, policy="ignore")
@@ -338,10 +327,10 @@ def test_safe_to_overflow_is_an_origin_and_its_stats_are_not(path):
     assert report.first_nonfinite.posinf == 1
 
 
-def test_record_and_warn_take_the_cpp_check_raise_the_mode(path):
+def test_record_and_warn_take_the_cpp_check_raise_the_mode(nonfinite_engine):
     with torchcast.track(nonfinite="record") as report:
         served = report.nonfinite_watch in getattr(nonfinite._cpp, "watches", ())
-    assert served == (path == "cpp")
+    assert served == (nonfinite_engine == "cpp")
     with torchcast.track(nonfinite="raise") as report:
         assert report.nonfinite_watch not in getattr(nonfinite._cpp, "watches", ())
 

@@ -14,23 +14,11 @@ import pytest
 import torch
 
 import torchcast
-from torchcast import _ops
 from torchcast.tracker import nonfinite
 from torchcast.tracker.html import render_html
 
 LINE = {}
 HALF = torch.float16
-
-
-@pytest.fixture(params=["cpp", "mode"])
-def path(request, monkeypatch):
-    """Which check serves every action but "raise": the C++ per-op callback
-    (CPU programs, with the extension) or the dispatch mode ("raise", CUDA)."""
-    if request.param == "cpp" and not _ops.WITH_EXTENSION:
-        pytest.skip("the C++ check is part of the compiled extension")
-    if request.param == "mode":
-        monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
-    return request.param
 
 
 def _mark(name):
@@ -97,7 +85,7 @@ def _step3_addmm(o):
     return (o.op, o.module, o.phase, o.line) == ("aten::addmm", "head", "forward", LINE["head"])
 
 
-def test_steps_and_reach_in_a_training_loop(path):
+def test_steps_and_reach_in_a_training_loop(nonfinite_engine):
     report, losses, _ = train("record")
     assert math.isfinite(losses[0]) and math.isfinite(losses[1])  # step 1's inf was absorbed
     assert losses[2] == math.inf and math.isfinite(losses[3])
@@ -130,7 +118,7 @@ def test_steps_and_reach_in_a_training_loop(path):
     assert "optimizer step 1: absorbed (the step" in page
 
 
-def test_a_harmless_origin_that_recurs_is_listed_after_the_cause(path, monkeypatch):
+def test_a_harmless_origin_that_recurs_is_listed_after_the_cause(nonfinite_engine, monkeypatch):
     # Step 3 overflows the cube again (50 ** 3) beside the head's matmul
     # (600 * (50 + 3 * 30) = 8.4e4): both are undecided when the output is
     # inf, and both are marked reached; the cube, absorbed in step 1, is
@@ -146,7 +134,7 @@ def test_a_harmless_origin_that_recurs_is_listed_after_the_cause(path, monkeypat
     assert _step3_addmm(error.origin) and "1 other origins of the step (aten::pow)" in str(error)
 
 
-def test_an_origin_in_the_optimizer_step_reaches_what_it_wrote(path):
+def test_an_origin_in_the_optimizer_step_reaches_what_it_wrote(nonfinite_engine):
     # AdamW in float16: step 1's squared gradients (1.5e4 ** 2) overflow its
     # second moment; the cube's inf (absorbed, gradients finite) stays absorbed.
     model = Net().half()
@@ -161,7 +149,7 @@ def test_an_origin_in_the_optimizer_step_reaches_what_it_wrote(path):
                                                "the state AdamW.step() keeps"}
 
 
-def test_without_an_optimizer_a_step_is_a_top_level_module_call(path):
+def test_without_an_optimizer_a_step_is_a_top_level_module_call(nonfinite_engine):
     report, _, _ = train("record", optimizer=False)
     pow_, addmm = report.nonfinite
     assert (pow_.step, pow_.step_kind, pow_.reached) == (1, "top-level module call", False)
@@ -178,7 +166,7 @@ def test_raise_still_stops_at_the_first_origin():
         "known yet" in str(error)
 
 
-def test_raise_reached_stops_where_the_step_3_origin_reaches(path):
+def test_raise_reached_stops_where_the_step_3_origin_reaches(nonfinite_engine):
     report, losses, error = train("raise_reached")
     assert len(losses) == 2  # steps 1 and 2 ran to the end; step 3 stopped at the output
     assert error is not None and _step3_addmm(error.origin)
@@ -189,7 +177,7 @@ def test_raise_reached_stops_where_the_step_3_origin_reaches(path):
     assert [o.reached for o in report.nonfinite] == [False, True]
 
 
-def test_an_origin_in_the_loss_reaches_the_loss(path):
+def test_an_origin_in_the_loss_reaches_the_loss(nonfinite_engine):
     model = Net().half()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with torchcast.track(nonfinite="record") as report:
@@ -218,7 +206,7 @@ class Caster(torch.nn.Module):
         return x.float() * 1e5
 
 
-def test_a_backward_origin_names_the_forward_that_made_its_node(path):
+def test_a_backward_origin_names_the_forward_that_made_its_node(nonfinite_engine):
     x = torch.ones(4, dtype=HALF, requires_grad=True)
     with torchcast.track(nonfinite="record") as report:
         _mark("backward"); Caster()(x).sum().backward()  # noqa: E702
@@ -236,7 +224,7 @@ def test_a_backward_origin_names_the_forward_that_made_its_node(path):
     assert back.nonfinite == report.nonfinite
 
 
-def test_a_gradient_the_step_leaves_is_checked_at_the_exit(path):
+def test_a_gradient_the_step_leaves_is_checked_at_the_exit(nonfinite_engine):
     model = Net().half()
     with torch.no_grad():
         model.head.weight.fill_(1.0)
@@ -255,7 +243,7 @@ def test_a_gradient_the_step_leaves_is_checked_at_the_exit(path):
 
 
 def test_deferred_flags_are_read_before_each_check(monkeypatch):
-    """The GPU path (flags read in batches), run on the CPU: the pending
+    """The GPU nonfinite_engine (flags read in batches), run on the CPU: the pending
     flags are read before a step's checks, so origins are known there."""
     monkeypatch.setattr(nonfinite, "checked_at_once", lambda device: False)
     monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
@@ -266,7 +254,7 @@ def test_deferred_flags_are_read_before_each_check(monkeypatch):
     assert len(losses) == 2 and _step3_addmm(error.origin)
 
 
-def test_an_exception_leaves_the_step_undecided(path):
+def test_an_exception_leaves_the_step_undecided(nonfinite_engine):
     with pytest.raises(KeyError):
         with torchcast.track(nonfinite="record") as report:
             torch.log(torch.tensor([-1.0]))
