@@ -11,6 +11,7 @@
 
 #include "all_finite.h"
 #include "cast_common.h"
+#include "dtype_watch.h"
 #include "nonfinite_watch.h"
 #include "numerics.h"
 #include "program_casts.h"
@@ -252,6 +253,41 @@ PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
   Py_RETURN_NONE;
 }
 
+PyObject* set_thread_direct(PyObject*, PyObject* flag) {
+  const int direct = PyObject_IsTrue(flag);
+  if (direct < 0) return nullptr;
+  torchcast::set_thread_direct(direct != 0);
+  Py_RETURN_NONE;
+}
+
+PyObject* pause_thread_casts(PyObject*, PyObject* flag) {
+  const int pause = PyObject_IsTrue(flag);
+  if (pause < 0) return nullptr;
+  return PyBool_FromLong(torchcast::pause_thread_casts(pause != 0));
+}
+
+PyObject* start_dtype_watch(PyObject*, PyObject* callback) {
+  if (!PyCallable_Check(callback)) {
+    PyErr_SetString(PyExc_TypeError, "start_dtype_watch: expected a callable");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  torchcast::start_dtype_watch(callback);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* stop_dtype_watch(PyObject*, PyObject*) {
+  torchcast::stop_dtype_watch();
+  Py_RETURN_NONE;
+}
+
+PyObject* pause_dtype_watch(PyObject*, PyObject* flag) {
+  const int pause = PyObject_IsTrue(flag);
+  if (pause < 0) return nullptr;
+  return PyBool_FromLong(torchcast::pause_dtype_watch(pause != 0));
+}
+
 PyObject* install_tracker_kernels(PyObject*, PyObject*) {
   torchcast::install_program_casts();
   torchcast::install_thread_casts();
@@ -260,14 +296,14 @@ PyObject* install_tracker_kernels(PyObject*, PyObject*) {
 
 PyMethodDef methods[] = {
     {"install_tracker_kernels", install_tracker_kernels, METH_NOARGS,
-     "Registers the tracker's kernels on aten::_to_copy (csrc/program_casts.cpp, "
+     "Registers the tracker's kernels on aten::_to_copy and aten::copy_ (csrc/program_casts.cpp, "
      "csrc/thread_casts.cpp), once per process; importing torchcast registers none."},
     {"in_program_cast", in_program_cast, METH_NOARGS,
      "Whether this thread is inside a cast the program asked for under autocast "
      "(csrc/program_casts.cpp)."},
     {"set_cast_callback", set_cast_callback, METH_O,
-     "Sets callback(src, out), called after every cast in threads no track's dispatch mode "
-     "covers; None unsets it (csrc/thread_casts.cpp)."},
+     "Sets callback(src, out, dtype), called at every cast in threads whose casts no track's "
+     "dispatch mode sees; None unsets it (csrc/thread_casts.cpp)."},
     {"exact_cast_stats", exact_cast_stats, METH_O,
      "The stats tensor cast_with_stats gives an exact cast of a floating tensor (numel and "
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
@@ -295,6 +331,18 @@ PyMethodDef methods[] = {
      "paused."},
     {"set_thread_tracked", set_thread_tracked, METH_O,
      "Marks this thread as covered by a track's dispatch mode (csrc/thread_casts.cpp)."},
+    {"set_thread_direct", set_thread_direct, METH_O,
+     "Marks this thread as a tracking one whose casts the cast callback reports "
+     "(csrc/thread_casts.cpp)."},
+    {"pause_thread_casts", pause_thread_casts, METH_O,
+     "Pauses (True) or resumes the reports of this thread's casts; returns whether they were "
+     "paused (csrc/thread_casts.cpp)."},
+    {"start_dtype_watch", start_dtype_watch, METH_O,
+     "Watches this thread's ops for float64 promotions, failures with mixed dtypes and casts "
+     "the cast kernels miss, calling callback(kind, a, b, c) (csrc/dtype_watch.cpp)."},
+    {"stop_dtype_watch", stop_dtype_watch, METH_NOARGS, "Stops this thread's dtype watch."},
+    {"pause_dtype_watch", pause_dtype_watch, METH_O,
+     "Pauses (True) or resumes the dtype watch in this thread; returns whether it was paused."},
     {nullptr, nullptr, 0, nullptr},
 };
 

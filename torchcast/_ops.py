@@ -29,11 +29,22 @@ install_tracker_kernels = _C.install_tracker_kernels if WITH_EXTENSION else (lam
 # which autocast's own casts bypass): csrc/program_casts.cpp; always False
 # without the extension.
 in_program_cast = _C.in_program_cast if WITH_EXTENSION else (lambda: False)
-# set_cast_callback(callback or None): callback(src, out) is called after every
-# cast in a thread that no track's dispatch mode covers (set_thread_tracked):
-# csrc/thread_casts.cpp. None without the extension.
+# set_cast_callback(callback or None): callback(src, out, dtype) is called at
+# every cast in a thread whose casts no track's dispatch mode sees
+# (set_thread_tracked; set_thread_direct: a tracking thread on the direct
+# route): csrc/thread_casts.cpp. None without the extension.
 set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
 set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
+set_thread_direct = _C.set_thread_direct if WITH_EXTENSION else (lambda direct: None)
+# start_dtype_watch(callback), stop_dtype_watch(), pause_dtype_watch(paused):
+# csrc/dtype_watch.cpp, the direct route of track(all_casts=True) (None without
+# the extension: the dispatch mode serves every track then).
+start_dtype_watch = _C.start_dtype_watch if WITH_EXTENSION else None
+stop_dtype_watch = _C.stop_dtype_watch if WITH_EXTENSION else None
+pause_dtype_watch = _C.pause_dtype_watch if WITH_EXTENSION else (lambda paused: False)
+# pause_thread_casts(paused) -> whether they were: this thread's casts are not
+# reported while paused (csrc/thread_casts.cpp).
+pause_thread_casts = _C.pause_thread_casts if WITH_EXTENSION else (lambda paused: False)
 # plain_tensor(x): whether x is a dense strided torch.Tensor or nn.Parameter
 # outside every torch.func transform, read in C++ (csrc/ops.cpp): the common
 # case of _inputs.check_input. None without the extension.

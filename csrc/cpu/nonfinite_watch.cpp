@@ -14,15 +14,13 @@
 #include <cmath>
 #include <memory>
 #include <string>
-#include <string_view>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <algorithm>
 #include <vector>
 
 #include "../all_finite.h"
 #include "../nonfinite_watch.h"
+#include "../op_info.h"
 
 namespace torchcast {
 namespace {
@@ -67,17 +65,6 @@ bool floating(const at::Tensor& t) {
          t.const_data_ptr() != nullptr;
 }
 
-// What the watch does with a record, decided once per name.
-struct OpInfo {
-  bool transparent = false;   // not an op (the autograd engine's record of a node): ignored
-  bool skip = false;          // not checked: see start_nonfinite_watch's skip list, and views
-  bool writes = false;        // writes to an input: read the inputs before it runs
-  bool first_output = false;  // safe_to's cast: its result, not its stats
-  bool decomposes = false;     // CompositeImplicitAutograd (linear, matmul): not reported
-  std::vector<bool> out_args;  // out= arguments: outputs, not inputs (their bits are garbage)
-  std::vector<bool> written;   // inputs the op writes to (self of an in-place op), not out=
-};
-
 // Sets this thread's paused flag for a scope: the watch's own reads
 // (at::isfinite of a strided tensor) dispatch ops too.
 struct Paused {
@@ -85,76 +72,6 @@ struct Paused {
   Paused() : saved(paused) { paused = true; }
   ~Paused() { paused = saved; }
 };
-
-std::unordered_set<std::string> unchecked;  // set at start, with the GIL
-
-// An op's name and overload ("aten::addmm", "out"): the overloads of a name
-// differ in what they write (addmm.out writes its out= argument, addmm
-// nothing), so both are the key.
-using OpKey = std::pair<std::string, std::string>;
-using OpKeyView = std::pair<std::string_view, std::string_view>;
-
-struct OpKeyHash {
-  using is_transparent = void;
-  size_t operator()(const OpKeyView& k) const {
-    const std::hash<std::string_view> h;
-    return h(k.first) * 31 + h(k.second);
-  }
-  size_t operator()(const OpKey& k) const { return (*this)(OpKeyView(k.first, k.second)); }
-};
-
-struct OpKeyEqual {
-  using is_transparent = void;
-  template <typename A, typename B>
-  bool operator()(const A& a, const B& b) const {
-    return std::string_view(a.first) == std::string_view(b.first) &&
-           std::string_view(a.second) == std::string_view(b.second);
-  }
-};
-
-// Keyed by the name's text: a record that is not an op owns its name string,
-// so its address says nothing.
-const OpInfo& info_of(const at::RecordFunction& fn) {
-  thread_local std::unordered_map<OpKey, OpInfo, OpKeyHash, OpKeyEqual> known;
-  const std::string_view name(fn.name());
-  const OpKeyView key(name, fn.overload_name());
-  auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  OpInfo info;
-  const std::string full(name);
-  const auto schema = fn.operator_schema();
-  if (!schema.has_value()) {
-    info.transparent = true;
-  } else if (full.rfind("torchcast", 0) == 0) {
-    info.first_output = full == "torchcast::cast_with_stats";
-    info.skip = !info.first_output;
-  } else if (unchecked.count(full)) {
-    info.skip = true;
-  } else {
-    const auto op = c10::Dispatcher::singleton().findOp(fn.operator_name().value());
-    info.decomposes = op.has_value() &&
-                      op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
-    const auto& returns = schema->returns();
-    const auto* alias = returns.empty() ? nullptr : returns[0].alias_info();
-    info.writes = schema->is_mutable();
-    // A view of an input; one that decomposes (to, reshape) may copy instead:
-    // the ops it calls say.
-    info.skip = alias != nullptr && !alias->isWrite() && !info.decomposes;
-    for (const auto& argument : schema->arguments()) {
-      info.out_args.push_back(argument.is_out());
-      const auto* written = argument.alias_info();
-      info.written.push_back(written != nullptr && written->isWrite() && !argument.is_out());
-    }
-  }
-  return known.emplace(OpKey(key.first, key.second), info).first->second;
-}
-
-// Whether this watch is the thread's only RecordFunction observer (no
-// profiler, no other tool): then it may switch RecordFunction off.
-bool sole_observer() {
-  return !at::hasGlobalCallbacks() &&
-         at::get_record_function_tls_().sorted_tls_callbacks_.size() == 1;
-}
 
 // An input an op is about to write to: its amax (a list of them for a
 // tensor list, NaN for an element that is not floating), with bad set when
@@ -180,17 +97,20 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (paused || (current != nullptr && !current->decomposes)) return nullptr;
   const OpInfo& info = info_of(fn);
   if (info.transparent) return nullptr;
+  // Not checked, nor the ops it calls: views of an input, the ops named
+  // unchecked, torchcast's own (but safe_to's cast result).
+  const bool skip = info.view || info.unchecked || (info.own && !info.first_output);
   auto call = std::make_unique<OpCall>();
   call->parent = current;
   current = call.get();
-  if ((info.skip || !info.decomposes) && sole_observer()) {
+  if ((skip || !info.decomposes) && sole_observer()) {
     // Nothing this op calls is looked at, and each call the dispatcher
     // records for an observer that needs inputs and outputs boxes them
     // (every int list a heap allocation): off until the op ends.
     at::enableRecordFunction(false);
     call->recording_paused = true;
   }
-  if (info.skip) {  // unchecked, and so are the ops it calls
+  if (skip) {
     call->skip = true;
     return call;
   }
@@ -306,22 +226,19 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 
 void start_nonfinite_watch(PyObject* callback, const std::vector<std::string>& skip) {
   TORCH_CHECK(handle == 0, "torchcast: this thread already has a non-finite watch");
-  unchecked = std::unordered_set<std::string>(skip.begin(), skip.end());
+  set_unchecked_ops(skip);
   Py_XINCREF(callback);
   Py_XDECREF(watch_callback);
   watch_callback = callback;
   propagated.store(0);
-  handle = at::addThreadLocalCallback(at::RecordFunctionCallback(on_start, on_end)
-                                          .needsInputs(true)
-                                          .needsOutputs(true)
-                                          .scopes({at::RecordScope::FUNCTION}));
+  handle = add_observer(at::RecordFunctionCallback(on_start, on_end)
+                            .needsInputs(true)
+                            .needsOutputs(true)
+                            .scopes({at::RecordScope::FUNCTION}));
 }
 
 void stop_nonfinite_watch() {
-  if (handle != 0) {
-    at::removeCallback(handle);
-    handle = 0;
-  }
+  remove_observer(handle);
   current = nullptr;
 }
 

@@ -34,7 +34,7 @@ from ..stats import PendingStats
 from ..violations import Violations, ViolationsSpec
 from .measure import MeasuredCast
 from . import compiled
-from .mode import install, pop_mode, push_mode, uninstall
+from .mode import install, pop_mode, push_mode, take_pending, uninstall
 from .modules import current_module
 from .health import HealthWatch
 from . import nonfinite, ranks
@@ -271,6 +271,7 @@ class track:
     def __exit__(self, *exc: Any) -> bool:
         recording, self._recording = self._recording, None
         reached = None  # "raise_reached": an origin found to reach at the exit
+        deferred = None  # policy "raise" of a cast under torch.inference_mode
         try:
             recording.report.compiled_regions = recording.regions.stop()
             if recording.health is not None:
@@ -289,6 +290,7 @@ class track:
                 unwatch_other_threads(recording)
                 try:
                     pop_mode(recording)
+                    deferred = take_pending(exc[1])
                 finally:
                     compiled.uninstall()
         finally:
@@ -299,6 +301,8 @@ class track:
                 close_spool(spool)  # in a forked child: leaves its records for the parent
         if reached is not None:
             raise reached
+        if deferred is not None:
+            raise deferred
         return False
 
 

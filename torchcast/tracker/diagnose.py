@@ -57,24 +57,20 @@ def _holders(t: torch.Tensor, frame: Optional[FrameType]) -> List[str]:
     return names
 
 
-def note_dtype_mismatch(func: Any, args: tuple, kwargs: dict, error: BaseException,
-                        frame: Optional[FrameType]) -> None:
-    """Adds to ``error`` a note that diagnoses a dtype mismatch, if its
-    message is one.
+def mismatch_note(name: str, operands: Iterable[Any], frame: Optional[FrameType]) \
+        -> Optional[str]:
+    """The note for an op that failed on operands of several floating
+    dtypes (None if they have one): the op, the module, each floating
+    operand's dtype and shape and who holds it, and the fix.
 
     Args:
-        func: the op that raised.
-        args, kwargs: its arguments.
-        error: what it raised.
+        name: the op ("aten::addmm").
+        operands: its arguments.
         frame: the frame the op was called from.
     """
-    if not _MISMATCH.search(str(error)) or getattr(error, "_torchcast_noted", False):
-        return
-    floats = [t for t in _tensors(list(args) + list(kwargs.values()))
-              if t.is_floating_point()]
+    floats = [t for t in _tensors(operands) if t.is_floating_point()]
     if len({t.dtype for t in floats}) < 2:
-        return
-    name = getattr(func, "name", lambda: str(func))()
+        return None
     module = current_module()
     site = user_site(frame, skip_own=True)
     where = f"{short_path(site.file)}:{site.line}" if site is not None else "?"
@@ -93,8 +89,23 @@ def note_dtype_mismatch(func: Any, args: tuple, kwargs: dict, error: BaseExcepti
     if wide == torch.float64:
         fix += "; numpy arrays are float64 unless told otherwise"
     lines.append(fix)
-    error.add_note("\n".join(lines))
-    error._torchcast_noted = True  # an op failing inside another reports once
+    return "\n".join(lines)
+
+
+def note_dtype_mismatch(error: BaseException, note: Optional[str]) -> None:
+    """Adds ``note`` (mismatch_note's) to ``error`` if its message is one of
+    the dtype-mismatch family, once per error (an op failing inside another
+    is noted by the innermost).
+
+    Args:
+        error: what the op raised.
+        note: the note, or None.
+    """
+    if note is None or not _MISMATCH.search(str(error)) or getattr(error, "_torchcast_noted",
+                                                                    False):
+        return
+    error.add_note(note)
+    error._torchcast_noted = True
 
 
 def promoted_operands(args: tuple) -> Optional[torch.dtype]:

@@ -30,7 +30,7 @@ from ..headroom import FORMATS, Headroom, headroom
 from ..health import TensorHealth, tensor_health
 from ..stats import short_dtype_name
 from .modules import ModuleCall, add_output_listener, remove_output_listener
-from .nonfinite import unwatched
+from .own import unwatched
 
 PHASES = ("forward", "backward")
 # The histograms an entry keeps unmerged at most (float32's is 28 KiB).

@@ -1,13 +1,27 @@
-"""The dispatch mode of track(all_casts=True), and the global state that
-tracking installs.
+"""How track(all_casts=True) sees a thread's casts, and the global state
+that tracking installs.
 
-One TorchDispatchMode per thread, shared by nested tracks, sees
-``aten._to_copy`` (``Tensor.to``, ``.float()``, ``.half()``, ``.type()``,
-``torch.as_tensor``/``torch.tensor`` with a dtype, autocast's casts) and
-``aten.copy_``/``aten.copy`` for the all_casts tracks (its recorders); every
-other op takes the fast path (an id() lookup, then the op) unless a track
-watches for non-finite results (its watches, nonfinite.py), which check
-every op. A tracked cast returns exactly what PyTorch returns.
+Two routes, chosen per thread, for the all_casts tracks active in it (its
+recorders):
+
+- direct (the compiled extension; no watch needs the mode): no dispatch
+  mode. The casts (``aten._to_copy``: ``Tensor.to``, ``.float()``,
+  ``.half()``, ``.type()``, ``torch.as_tensor`` with a dtype, autocast's
+  casts; and ``aten.copy_`` into another dtype) reach the recorders through
+  csrc/thread_casts.cpp's kernels (threads.py's callback), and a
+  RecordFunction callback (csrc/dtype_watch.cpp, ``_dtype_event``) finds
+  what the mode found in other ops: float64 promotions, the operands of an
+  op that fails on mixed dtypes (its note is added when the error leaves the
+  track), and casts under torch.inference_mode, which skips the kernels'
+  dispatch key (measured after the fact: "raise" raises when the track
+  exits). Other ops cost nothing in Python.
+- the mode: one TorchDispatchMode per thread, shared by nested tracks, sees
+  every op; casts are reported to the recorders, every other op takes the
+  fast path (an id() lookup, then the op) unless a track watches for
+  non-finite results in Python (its watches, nonfinite.py: "raise", or CUDA
+  programs), which check every op.
+
+Either way a tracked cast returns exactly what PyTorch returns.
 """
 import sys
 import threading
@@ -20,9 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import _ops
 from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..stats import PendingStats
-from .diagnose import note_dtype_mismatch, op_name, promoted_operands
+from .diagnose import mismatch_note, note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
-from .nonfinite import NonFiniteWatch, inputs_nonfinite, unwatched, written_before
+from .nonfinite import NonFiniteWatch, inputs_nonfinite, written_before
+from .own import unwatched
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
 from .origins import made_by_autocast, origin_of
@@ -107,10 +122,13 @@ def _run_op(recorders, func, args, kwargs):
         else:
             out = func(*args, **(kwargs or {}))
     except RuntimeError as error:
-        note_dtype_mismatch(func, args, kwargs or {}, error, sys._getframe(1))
+        if not getattr(error, "_torchcast_noted", False):
+            note_dtype_mismatch(error, mismatch_note(
+                getattr(func, "name", lambda: str(func))(),
+                list(args) + list((kwargs or {}).values()), sys._getframe(1)))
         raise
     if recorders and type(out) is _Tensor and out.dtype is _FLOAT64:
-        _record_promotion(recorders, func, args, out)
+        _record_promotion(recorders, op_name(func), args, out, sys._getframe(2))
     return out
 
 
@@ -136,16 +154,16 @@ def _watched_op(mode, func, args, kwargs):
     return out
 
 
-def _record_promotion(recorders, func, args, out):
+def _record_promotion(recorders, name, args, out, frame):
     """Records an op whose float64 result came from float64 and narrower
-    floating operands (diagnose.py), at origin "promotion (op)"."""
+    floating operands (diagnose.py), at origin "promotion (name)"."""
     narrow = promoted_operands(args)
     if narrow is None or torch.compiler.is_compiling():
         return
-    where = locate_cast(sys._getframe(2), out, copy=False)
+    where = locate_cast(frame, out, copy=False)
     if where is None:
         return
-    key = (where.module, where.site.file, where.site.line, f"promotion ({op_name(func)})", None,
+    key = (where.module, where.site.file, where.site.line, f"promotion ({name})", None,
            narrow, torch.float64, where.site.via)
     promotion = MeasuredCast(narrow, torch.float64, out.numel(), measured=False)
     for recorder in recorders:
@@ -264,40 +282,146 @@ def report_cast(recorders: Sequence[CastRecorder], where: CastPlace, src: torch.
     return out
 
 
+class _ThreadState:
+    """This thread's all_casts recorders and Python non-finite watches, and
+    the route that serves them."""
+
+    def __init__(self):
+        self.recorders: List[CastRecorder] = []
+        self.watches: List[NonFiniteWatch] = []
+        self.mode: Optional[_CastMode] = None
+        self.direct = False  # the direct route's kernels and dtype watch serve the recorders
+        self.failure_note: Optional[str] = None  # the dtype watch's note of a failing op
+        self.deferred: Optional[BaseException] = None  # "raise" of an inference-mode cast
+
+
+def _state() -> _ThreadState:
+    state = getattr(_local, "state", None)
+    if state is None:
+        state = _local.state = _ThreadState()
+    return state
+
+
 def active_recorders() -> List[CastRecorder]:
     """The recorders of this thread's all_casts tracks (empty outside any)."""
-    mode = getattr(_local, "mode", None)
-    return list(mode.recorders) if mode is not None else []
+    state = getattr(_local, "state", None)
+    return list(state.recorders) if state is not None else []
+
+
+def direct_recorders() -> Optional[List[CastRecorder]]:
+    """This thread's recorders when the direct route serves them, else None."""
+    state = getattr(_local, "state", None)
+    return state.recorders if state is not None and state.direct else None
 
 
 def push_mode(recorder: Optional[CastRecorder] = None,
               watch: Optional[NonFiniteWatch] = None) -> None:
     """Reports every cast PyTorch performs in this thread to ``recorder``
-    and every op's result to ``watch`` (entering the thread's dispatch mode
-    if it is the first), until ``pop_mode`` with the same arguments."""
-    mode = getattr(_local, "mode", None)
-    if mode is None:
-        mode = _local.mode = _CastMode()
-        mode.__enter__()
+    and every op's result to ``watch``, until ``pop_mode`` with the same
+    arguments."""
+    state = _state()
     if recorder is not None:
-        mode.recorders.append(recorder)
+        state.recorders.append(recorder)
     if watch is not None:
-        mode.watches.append(watch)
-    _ops.set_thread_tracked(bool(mode.recorders))
+        state.watches.append(watch)
+    _route(state)
 
 
 def pop_mode(recorder: Optional[CastRecorder] = None,
              watch: Optional[NonFiniteWatch] = None) -> None:
-    """Undoes ``push_mode(recorder, watch)``; the last one exits the mode."""
-    mode = _local.mode
+    """Undoes ``push_mode(recorder, watch)``."""
+    state = _state()
     if recorder is not None:
-        mode.recorders.remove(recorder)
+        state.recorders.remove(recorder)
     if watch is not None:
-        mode.watches.remove(watch)
-    _ops.set_thread_tracked(bool(mode.recorders))
-    if not mode.recorders and not mode.watches:
-        _local.mode = None
+        state.watches.remove(watch)
+    _route(state)
+
+
+def _route(state: _ThreadState) -> None:
+    """Serves the thread's recorders and watches by the route they need:
+    the mode for Python watches (and without the extension), else direct."""
+    use_mode = bool(state.watches) or (bool(state.recorders) and _ops.start_dtype_watch is None)
+    direct = bool(state.recorders) and not use_mode
+    if direct and not state.direct:
+        _ops.start_dtype_watch(_dtype_event)
+    elif state.direct and not direct:
+        _ops.stop_dtype_watch()
+    state.direct = direct
+    _ops.set_thread_direct(direct)
+    if use_mode and state.mode is None:
+        state.mode = _CastMode()
+        state.mode.recorders, state.mode.watches = state.recorders, state.watches
+        state.mode.__enter__()
+    elif not use_mode and state.mode is not None:
+        mode, state.mode = state.mode, None
         mode.__exit__(None, None, None)
+    _ops.set_thread_tracked(use_mode and bool(state.recorders))
+
+
+def _dtype_event(kind: str, a, b, c) -> None:
+    """csrc/dtype_watch.cpp's callback, in a thread of the direct route."""
+    state = _state()
+    recorders = state.recorders
+    if not recorders or torch.compiler.is_compiling():
+        return
+    if kind == "promotion":  # a: op, b: its inputs, c: its float64 output
+        if type(c) in PLAIN_TENSOR_TYPES:
+            _record_promotion(recorders, a.rpartition("::")[2], b, c, sys._getframe(1))
+    elif kind == "failure":  # a: op, b: its inputs
+        frame = sys._getframe(1)
+        state.failure_note = note = mismatch_note(a, b, frame)
+        if note is not None:
+            _note_on_arrival(frame, note)
+    elif kind == "cast":  # a: src, b: the result (None: a copy_), c: its dtype
+        if type(a) not in PLAIN_TENSOR_TYPES or a.device.type == "meta":
+            return
+        where = locate_cast(sys._getframe(1), a, copy=b is None)
+        if where is None:
+            return
+        try:
+            report_cast(recorders, where, a, c, b)
+        except Exception as error:  # noqa: BLE001 - raised when the track exits
+            if state.deferred is None:
+                state.deferred = error
+
+
+def _note_on_arrival(frame: FrameType, note: str) -> None:
+    """Adds ``note`` to the exception now leaving a failing op as it
+    reaches ``frame``, the Python frame that called the op (where the
+    program may catch it): a trace function on that frame alone, removed at
+    the exception or when the frame returns. With another tracer in the
+    thread (a debugger, coverage) the note waits for the track's exit."""
+    if sys.gettrace() is not None:
+        return
+
+    def on_frame(traced, event, arg):
+        if event == "exception":
+            note_dtype_mismatch(arg[1], note)
+        if event in ("exception", "return"):
+            sys.settrace(None)
+            traced.f_trace = None
+            return None
+        return on_frame
+
+    frame.f_trace_lines = False
+    frame.f_trace = on_frame
+    sys.settrace(lambda *_: None)  # tracing on, for that frame only
+
+
+def take_pending(error: Optional[BaseException]) -> Optional[BaseException]:
+    """At a track's exit in this thread: adds the dtype watch's note to
+    ``error`` (the exception leaving the track, if it is a dtype mismatch),
+    and returns what an inference-mode cast deferred (policy "raise"), if
+    nothing else is leaving."""
+    state = _state()
+    note, state.failure_note = state.failure_note, None
+    deferred, state.deferred = state.deferred, None
+    if error is not None:
+        if note is not None:
+            note_dtype_mismatch(error, note)
+        return None
+    return deferred
 
 
 class _Installed:

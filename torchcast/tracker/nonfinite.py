@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from .. import _ops
 from .diagnose import op_name
 from .modules import current_module, module_of_node
+from .own import unwatched
 from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
                                amax_of, floating_data, wider_note)
 from .reach import StepTracker
@@ -351,27 +352,6 @@ _RAISED_AT_THE_OP = (
     "Raised at the op, before the program used its result: whether its NaN/inf would reach "
     "the outputs, the loss or the gradients is not known yet (nonfinite=\"raise_reached\" "
     "raises only for origins whose NaN/inf do).")
-
-
-class unwatched:
-    """``with unwatched():`` the ops this thread runs are not checked: the
-    tracker's own bookkeeping (health.py's merges of extrema that start at inf)."""
-
-    _local = threading.local()
-
-    def __enter__(self):
-        self.saved = unwatched.active()
-        unwatched._local.on = True
-        self.saved_cpp = _ops.pause_nonfinite_watch(True)
-
-    def __exit__(self, *exc):
-        unwatched._local.on = self.saved
-        _ops.pause_nonfinite_watch(self.saved_cpp)
-
-    @staticmethod
-    def active() -> bool:
-        """Whether this thread is inside ``with unwatched()``."""
-        return getattr(unwatched._local, "on", False)
 
 
 # -- the C++ watch: CPU programs, "record" and "warn" -----------------------------

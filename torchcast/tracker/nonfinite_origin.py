@@ -14,6 +14,7 @@ from .._inputs import PLAIN_TENSOR_TYPES
 from .._ops import readable, torch_all_finite
 from ..stats import dtype_from_name, short_dtype_name
 from .diagnose import op_name
+from .own import unwatched
 from .sites import short_path
 
 _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
@@ -301,8 +302,9 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor,
         return a
     try:
         # The tracker's own work: no dispatch mode (track(all_casts=True)'s
-        # records, the program's own) sees the widening casts or the rerun.
-        with torch.no_grad(), _disable_current_modes():
+        # records, the program's own) sees the widening casts or the rerun,
+        # nor the kernels of its direct route.
+        with torch.no_grad(), _disable_current_modes(), unwatched():
             again = func(*tree_map(widen, args), **tree_map(widen, kwargs))
     except Exception:  # the op may not take the wider dtype: then there is nothing to tell
         return ""

@@ -71,6 +71,7 @@ from .. import _ops
 from .modules import current_module, module_of_node
 from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
                                amax_of, floating_data)
+from .own import unwatched
 from .sites import user_site
 
 # c10d op -> (the collective's name, output argument, input argument (None:
@@ -145,11 +146,6 @@ def _nonfinite(tensors: List[torch.Tensor]):
     return torch.stack([f.to(flags[0].device) for f in flags]).any()
 
 
-def _unwatched():
-    from .nonfinite import unwatched
-    return unwatched()
-
-
 def _group_name(pg: Any) -> str:
     try:
         pg = torch._C._distributed_c10d.ProcessGroup.unbox(pg)
@@ -168,7 +164,7 @@ def _kernel(op, name: str):
                 return op(*args, **kwargs)
         outs = _tensors(args[out_at])
         ins = outs if in_at is None else _tensors(args[in_at])
-        with _unwatched():
+        with unwatched():
             bad = _nonfinite(ins)
             amax = [(t.dtype, tuple(t.shape), t.detach().abs().amax() if t.numel() else None)
                     for t in ins if _readable(t)][:4]
@@ -280,7 +276,7 @@ class RankWatch:
         with self.lock:
             calls, self.pending = self.pending, []
         keep, arrivals = [], []
-        with _unwatched():
+        with unwatched():
             for call in calls:
                 if not call.completed(wait):
                     if not wait:

@@ -1,14 +1,14 @@
-"""The casts of the rest of the program: threads without a track's dispatch
-mode, and worker processes.
+"""The casts that reach the tracker through csrc/thread_casts.cpp's kernels:
+the tracking thread's on the direct route (mode.py), the program's other
+threads, and worker processes.
 
-Threads. A dispatch mode is per thread, so a track's mode only sees the
-thread that entered it. Every other thread's casts (threads started before
-or inside the block, thread pools, the autograd engine's device threads)
-reach ``_other_thread_cast`` through a kernel for aten::_to_copy at the
-ADInplaceOrView key (csrc/thread_casts.cpp), which calls it while an
-all_casts track is active anywhere. They are recorded into every active
-all_casts track. ``copy_`` into a lower-precision tensor in those threads is
-not seen (ADInplaceOrView's copy_ kernel is PyTorch's own).
+Threads. Every cast (aten::_to_copy, and aten::copy_ into another dtype,
+reported before it writes) reaches ``_kernel_cast`` through kernels at the
+ADInplaceOrView key while an all_casts track is active anywhere, except in
+a thread whose casts a track's dispatch mode sees. A tracking thread's
+casts go to its own tracks; every other thread's (threads started before or
+inside the block, thread pools, the autograd engine's device threads) into
+every active all_casts track.
 
 Worker processes. A process forked inside a block (DataLoader workers with
 the "fork" start method, a bare ``os.fork()``) inherits the tracks, and
@@ -38,21 +38,34 @@ import torch
 
 from .. import _ops
 from .._inputs import PLAIN_TENSOR_TYPES
-from .mode import CastRecorder, locate_cast, report_cast
+from .mode import CastRecorder, direct_recorders, locate_cast, report_cast
 from .report import Report
 
 _lock = threading.Lock()
 _recorders: List[CastRecorder] = []
 
 
-def _other_thread_cast(src: torch.Tensor, out: torch.Tensor) -> None:
-    """Called, with the GIL, after a cast in a thread no track's mode covers."""
-    recorders = list(_recorders)
-    if not recorders or type(src) not in PLAIN_TENSOR_TYPES or src.device.type == "meta":
-        return
-    where = locate_cast(sys._getframe(1), src, copy=False)
-    if where is not None:
-        report_cast(recorders, where, src, out.dtype, out)
+def _kernel_cast(src: torch.Tensor, out: Optional[torch.Tensor], dtype: torch.dtype,
+                 when: str) -> Optional[torch.Tensor]:
+    """Called, with the GIL, at a cast of ``src`` to ``dtype``
+    (csrc/thread_casts.h: ``when`` "to_copy", before a _to_copy whose result
+    this returns; "to_copy_done", after one, ``out`` its result; "copy_",
+    before a copy_ writes). Its errors (policy "raise") leave the cast."""
+    recorders = direct_recorders()
+    if recorders is None:
+        recorders = list(_recorders)
+    if not recorders or type(src) not in PLAIN_TENSOR_TYPES or src.device.type == "meta" \
+            or torch.compiler.is_compiling():
+        return None
+    where = locate_cast(sys._getframe(1), src, copy=when == "copy_")
+    if where is None:
+        return None
+    if when == "to_copy":
+        # The measuring op's result stands in for PyTorch's where it has its
+        # bits (mode.py's _tracked_cast): one cast instead of two.
+        return report_cast(recorders, where, src, dtype, None, torch_cast=lambda: src.to(dtype))
+    report_cast(recorders, where, src, dtype, out)
+    return None
 
 
 _warned_threads = False
@@ -79,7 +92,7 @@ def watch_other_threads(recorder: CastRecorder) -> None:
     with _lock:
         _recorders.append(recorder)
         if len(_recorders) == 1:
-            _ops.set_cast_callback(_other_thread_cast)
+            _ops.set_cast_callback(_kernel_cast)
 
 
 def unwatch_other_threads(recorder: CastRecorder) -> None:
