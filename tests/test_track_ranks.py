@@ -105,7 +105,7 @@ def worker(kind, action, rank, port, out_dir):
 
 
 # --- the tests ------------------------------------------------------------------------------
-def check_merged(out_dir, collective, reach_checked=True):
+def check_merged(out_dir, collective):
     from torchcast.tracker.report import Report
     merged = Report.from_json((out_dir / "merged.json").read_text())
     origins = merged.nonfinite
@@ -123,8 +123,7 @@ def check_merged(out_dir, collective, reach_checked=True):
     assert mine, origins
     assert mine[0].arrived_through == collective
     assert mine[0].step == BAD_STEP and mine[0].from_ranks == [BAD_RANK]
-    if reach_checked:
-        assert mine[0].reached
+    assert mine[0].reached
     assert "made on rank 1" in mine[0].describe() and "not an origin" in mine[0].describe()
     assert origins.index(mine[0]) > origins.index(first)
     # rank 0 alone made nothing: no origin of its own
@@ -148,10 +147,8 @@ def test_fsdp2_merged_report_names_rank_step_and_op(tmp_path):
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2)")
     results = run_ranks("fsdp", "record", tmp_path)
     assert [code for code, _ in results] == [0, 0], results
-    # The reach checks (reach.py) read plain tensors only: FSDP2's DTensor
-    # gradients and parameters are not read, so whether rank 0's NaN
-    # reached is not decided right there (a known gap, see docs/ranks.md).
-    check_merged(tmp_path, "reduce_scatter", reach_checked=False)
+    # The reach checks read FSDP2's DTensor gradients through their shards.
+    check_merged(tmp_path, "reduce_scatter")
 
 
 def test_raise_stops_both_ranks_without_a_hang(tmp_path):

@@ -53,6 +53,7 @@ import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
@@ -247,7 +248,7 @@ class StepTracker:
         watch checks them."""
         flags = {}
         with self.unwatched():
-            for t in values:
+            for t in _plain_parts(values):
                 if not (isinstance(t, torch.Tensor) and floating_data(t)
                         and t.layout == torch.strided):
                     continue
@@ -348,6 +349,18 @@ class _Occurrence:
 
     def __init__(self, origin: NonFiniteOrigin, raw: tuple, outside: bool, in_step: bool):
         self.origin, self.raw, self.outside, self.in_step = origin, raw, outside, in_step
+
+
+def _plain_parts(values: Iterable[Any]) -> Iterable[Any]:
+    """``values``, with each traceable wrapper subclass (a DTensor: FSDP2's
+    parameters and gradients) replaced by the tensors it holds (this rank's
+    shard)."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v):
+            names, _ = v.__tensor_flatten__()
+            yield from _plain_parts(getattr(v, name) for name in names)
+        else:
+            yield v
 
 
 def _reached_error(origins: List[NonFiniteOrigin], at: str) -> NonFiniteError:
