@@ -139,6 +139,34 @@ def measure(size, autocast, tracking, rounds):
             "us_per_op": statistics.median(extra) / counter.n * 1e6}
 
 
+def plot(rows, path, title):
+    """The ratio of each row as a bar (matplotlib; skipped, with a line
+    saying so, where it is not installed)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: {path} not drawn")
+        return
+    labels = [f"{r['size']}, {r['precision']}: {_TRACK_LABELS[r['tracking']]}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color="#4c78a8")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for i, r in enumerate(rows):
+        ax.text(r["ratio"], i, f" {r['ratio']:.2f}x, {r['us_per_op']:.1f} us/op",
+                va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("tracked step / plain step (median of interleaved rounds)")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlim(0, max(r["ratio"] for r in rows) * 1.35)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 _TRACK_LABELS = {name: ", ".join(f"{k}={v!r}" for k, v in options.items()) if options else name
                  for name, options in TRACKS.items()}
 
@@ -150,6 +178,8 @@ def main():
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "track.md"))
     parser.add_argument("--append", action="store_true", help="add the table to --out")
+    parser.add_argument("--plot", help="also draw the ratios (matplotlib) into this PNG, "
+                                       "when the table is written")
     parser.add_argument("--models", action="store_true",
                         help="also resnet18 and GPT-2 (installed as benchmarks/thirdparty.py says)")
     parser.add_argument("--watch", action="store_true",
@@ -201,7 +231,9 @@ def main():
     if opts.append and os.path.exists(opts.out):
         with open(opts.out) as f:
             previous = f.read() + "\n"
-    run.write(opts.out, previous + table + "\n")
+    if run.write(opts.out, previous + table + "\n") and opts.plot:
+        plot(rows, opts.plot, f"track() overhead, {protocol.cpu_name()}, "
+                              f"{opts.threads} thread(s) (benchmarks/bench_track.py)")
 
 
 if __name__ == "__main__":
