@@ -145,8 +145,8 @@ def _watched_op(mode, func, args, kwargs):
     if mutates is None:
         mutates = _mutates[id(func)] = bool(getattr(func, "_schema", None)
                                             and func._schema.is_mutable)
-    inputs_bad = inputs_nonfinite(func, args, kwargs) if mutates else None
     before = written_before(func, args, kwargs) if mutates else None
+    inputs_bad = inputs_nonfinite(func, args, kwargs, before) if mutates else None
     out = _run_op(mode.recorders, func, args, kwargs)
     frame = sys._getframe(1)
     for watch in mode.watches:

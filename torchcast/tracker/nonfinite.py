@@ -96,12 +96,16 @@ def _bad(values: Sequence[Any]) -> bool:
     return False
 
 
-def inputs_nonfinite(func, args: tuple, kwargs: dict) -> Union[bool, torch.Tensor]:
-    """Whether an op's inputs hold NaN/inf, read before an in-place op
-    overwrites them (out= arguments are results, whatever bits they hold): a
-    bool for CPU tensors, else a bool tensor on their device (no sync)."""
+def inputs_nonfinite(func, args: tuple, kwargs: dict,
+                     before: Dict[str, Any]) -> Union[bool, torch.Tensor]:
+    """Whether a mutating op's inputs hold NaN/inf, before it runs (out=
+    arguments are results, whatever bits they hold; the inputs it writes to
+    are judged by their amax in ``before``, written_before's, so that each is
+    read once): a bool for CPU tensors, else a bool tensor on their device
+    (no sync)."""
     values = tree_flatten([v for argument, v in _bound(func, args, kwargs)
-                           if not argument.is_out])[0]
+                           if not argument.is_out and not _written(argument)])[0]
+    values += [amax for amaxes in before.values() for amax in amaxes if amax is not None]
     device = next((v.device for v in values
                    if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
     return _bad(values) if device is None else _device_flag(values, device)
