@@ -79,7 +79,7 @@ def _round(v, name):
     f = FORMATS[name]
     table = torch.tensor(_values(name), dtype=torch.float64)
     mids = (table[1:] + table[:-1]) / 2  # exact: halves of neighbouring values
-    a = v.abs()
+    a = v.abs().contiguous()
     lo = torch.searchsorted(mids, a.nan_to_num(posinf=f.max), right=False)
     tie = a == mids[lo.clamp(max=len(mids) - 1)]
     code = lo + (tie & (lo % 2 == 1)).long()
