@@ -298,7 +298,13 @@ def test_fallback_warns_and_matches(monkeypatch):
     (lambda x: torchcast.block_cast(x, "mxfp8_e4m3", axis=2), ValueError,
      "axis 2 is out of range"),
 ])
-def test_errors_name_the_problem(call, error, match):
+@pytest.mark.parametrize("kernel", ["compiled", "reference"])
+def test_errors_name_the_problem(monkeypatch, call, error, match, kernel):
+    """The same errors from the kernels' checks and from the reference's
+    (the fallback's, and the fake kernel's under torch.compile)."""
+    if kernel == "reference":
+        monkeypatch.setattr(_ops, "_KERNELS", frozenset())
+        monkeypatch.setattr(_ops, "_warned_fallback", {"cpu"})
     with pytest.raises(error, match=match):
         call(torch.ones(2, 32))
 

@@ -30,7 +30,9 @@ class BlockCast(NamedTuple):
     float8_e4m3fn for NVFP4), ``tensor_scale`` NVFP4's float32 scale of the
     whole tensor (None for MX). ``stats_tensor``, ``scale_hist`` and
     ``block_counts`` are the op's raw outputs, read by the properties below
-    without a host synchronization until one is asked for.
+    without a host synchronization until one is asked for. ``source`` is x
+    itself (its shape and dtype, and the graph dequantize's gradient flows
+    into); ``axis`` is non-negative.
     """
 
     data: torch.Tensor

@@ -20,9 +20,12 @@ def check_args(x, format, block_size, scale_mode, tensor_scale):
     """The checks of csrc/block_cast_common.cpp, with its messages' substance
     (ValueError/TypeError as the C++ op raises them)."""
     fmt = block_format(format)
+    if fmt.tensor_scale and scale_mode not in fmt.scale_modes:
+        raise ValueError("torchcast.block_cast: nvfp4 has one scale rule, 'amax' (amax / 6 over "
+                         f"the tensor scale, rounded to e4m3); got scale_mode '{scale_mode}'")
     if scale_mode not in fmt.scale_modes:
-        raise ValueError(f"torchcast.block_cast: scale_mode {scale_mode!r} is not one of "
-                         f"{fmt.name}'s: {', '.join(map(repr, fmt.scale_modes))}")
+        raise ValueError(f"torchcast.block_cast: unknown scale_mode '{scale_mode}' for an MX "
+                         "format; expected one of 'floor' (OCP MX v1.0), 'ceil', 'even', 'rceil'")
     if x.dtype not in SOURCE_DTYPES:
         raise TypeError(f"torchcast.block_cast: x is {x.dtype}; expected torch.float64, float32, "
                         "float16 or bfloat16 (x.float() first)")
