@@ -7,6 +7,9 @@
 //
 // Fields of a Format:
 //   kName                       the name torchcast/formats.py keys it by
+//   kRank                       width order of the dtypes cast_with_stats
+//                               measures (a cast to a higher rank is exact;
+//                               0: not one of them)
 //   kBits, kExpBits, kMant      storage bits, exponent bits, mantissa bits
 //   kBias                       exponent bias
 //   kEmax                       exponent of the largest power of two <= kMax
@@ -39,6 +42,7 @@ namespace torchcast {
 
 struct FormatFloat64 {
   static constexpr const char* kName = "float64";
+  static constexpr int kRank = 4;
   static constexpr int kBits = 64, kExpBits = 11, kMant = 52, kBias = 1023, kEmax = 1023;
   static constexpr double kMax = 1.7976931348623157e308, kMinNormal = 0x1p-1022,
                           kMinSubnormal = 0x1p-1074;
@@ -47,6 +51,7 @@ struct FormatFloat64 {
 
 struct FormatFloat32 {
   static constexpr const char* kName = "float32";
+  static constexpr int kRank = 3;
   static constexpr int kBits = 32, kExpBits = 8, kMant = 23, kBias = 127, kEmax = 127;
   static constexpr float kMax = 3.40282346638528859812e+38f, kMinNormal = 0x1p-126f,
                          kMinSubnormal = 0x1p-149f;
@@ -55,6 +60,7 @@ struct FormatFloat32 {
 
 struct FormatFloat16 {
   static constexpr const char* kName = "float16";
+  static constexpr int kRank = 2;
   static constexpr int kBits = 16, kExpBits = 5, kMant = 10, kBias = 15, kEmax = 15;
   static constexpr float kMax = 65504.f, kMinNormal = 0x1p-14f, kMinSubnormal = 0x1p-24f;
   static constexpr bool kHasInf = true, kHasNaN = true;
@@ -63,6 +69,7 @@ struct FormatFloat16 {
 
 struct FormatBFloat16 {
   static constexpr const char* kName = "bfloat16";
+  static constexpr int kRank = 2;
   static constexpr int kBits = 16, kExpBits = 8, kMant = 7, kBias = 127, kEmax = 127;
   static constexpr float kMax = 0x1.fep127f, kMinNormal = 0x1p-126f, kMinSubnormal = 0x1p-133f;
   static constexpr bool kHasInf = true, kHasNaN = true;
@@ -71,6 +78,7 @@ struct FormatBFloat16 {
 
 struct FormatE4M3FN {
   static constexpr const char* kName = "float8_e4m3fn";
+  static constexpr int kRank = 1;
   static constexpr int kBits = 8, kExpBits = 4, kMant = 3, kBias = 7, kEmax = 8;
   static constexpr float kMax = 448.f, kMinNormal = 0x1p-6f, kMinSubnormal = 0x1p-9f;
   static constexpr bool kHasInf = false, kHasNaN = true;
@@ -83,6 +91,7 @@ struct FormatE4M3FN {
 
 struct FormatE5M2 {
   static constexpr const char* kName = "float8_e5m2";
+  static constexpr int kRank = 1;
   static constexpr int kBits = 8, kExpBits = 5, kMant = 2, kBias = 15, kEmax = 15;
   static constexpr float kMax = 57344.f, kMinNormal = 0x1p-14f, kMinSubnormal = 0x1p-16f;
   static constexpr bool kHasInf = true, kHasNaN = true;
@@ -96,6 +105,7 @@ struct FormatE5M2 {
 // OCP MX's FP4 element: no inf, no NaN; every cast to it saturates.
 struct FormatE2M1 {
   static constexpr const char* kName = "float4_e2m1fn";
+  static constexpr int kRank = 0;
   static constexpr int kBits = 4, kExpBits = 2, kMant = 1, kBias = 1, kEmax = 2;
   static constexpr float kMax = 6.f, kMinNormal = 1.f, kMinSubnormal = 0.5f;
   static constexpr bool kHasInf = false, kHasNaN = false;
@@ -110,6 +120,7 @@ struct FormatE2M1 {
 // There is no zero: bits 0 is 2^-127, a float32 subnormal.
 struct FormatE8M0 {
   static constexpr const char* kName = "float8_e8m0fnu";
+  static constexpr int kRank = 0;
   static constexpr int kBits = 8, kExpBits = 8, kMant = 0, kBias = 127, kEmax = 127;
   static constexpr float kMax = 0x1p127f, kMinNormal = 0x1p-127f, kMinSubnormal = 0x1p-127f;
   static constexpr bool kHasInf = false, kHasNaN = true;

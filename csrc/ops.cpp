@@ -41,7 +41,7 @@ PyObject* stat_fields() {
 }
 
 // {name: (bits, exponent bits, mantissa bits, bias, emax, max, smallest
-// normal, smallest subnormal, has inf, has NaN)}: formats.h's table, which
+// normal, smallest subnormal, has inf, has NaN, rank)}: formats.h's table, which
 // tests/test_formats.py checks against torchcast/formats.py's.
 PyObject* format_traits() {
   PyObject* table = PyDict_New();
@@ -49,11 +49,12 @@ PyObject* format_traits() {
   bool ok = true;
   const auto add = [&](auto format) {
     using F = decltype(format);
-    PyObject* row = Py_BuildValue("(iiiiidddOO)", F::kBits, F::kExpBits, F::kMant, F::kBias,
+    PyObject* row = Py_BuildValue("(iiiiidddOOi)", F::kBits, F::kExpBits, F::kMant, F::kBias,
                                   F::kEmax, static_cast<double>(F::kMax),
                                   static_cast<double>(F::kMinNormal),
                                   static_cast<double>(F::kMinSubnormal),
-                                  F::kHasInf ? Py_True : Py_False, F::kHasNaN ? Py_True : Py_False);
+                                  F::kHasInf ? Py_True : Py_False, F::kHasNaN ? Py_True : Py_False,
+                                  F::kRank);
     ok = ok && row != nullptr && PyDict_SetItemString(table, F::kName, row) == 0;
     Py_XDECREF(row);
   };

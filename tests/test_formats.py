@@ -86,10 +86,10 @@ def test_reference_rounding_matches_ml_dtypes(name):
 def test_cpp_traits_equal_the_python_table():
     traits = _ops._C.format_traits
     assert set(traits) == set(FORMATS)
-    for name, (bits, nexp, nmant, bias, emax, fmax, tiny, sub, inf, nan) in traits.items():
+    for name, (bits, nexp, nmant, bias, emax, fmax, tiny, sub, inf, nan, rank) in traits.items():
         f = FORMATS[name]
-        assert (bits, nexp, nmant, bias, emax) == (f.bits, f.exponent_bits, f.mantissa_bits,
-                                                   f.bias, f.emax), name
+        assert (bits, nexp, nmant, bias, emax, rank) == (f.bits, f.exponent_bits, f.mantissa_bits,
+                                                         f.bias, f.emax, f.rank), name
         assert (fmax, tiny, sub, inf, nan) == (f.max, f.min_normal, f.min_subnormal, f.has_inf,
                                                f.has_nan), name
 
