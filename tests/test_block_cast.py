@@ -94,6 +94,24 @@ def test_matches_reference(device, fmt, mode, dtype):
     assert_matches_reference(on_device(x.reshape(-1, 64), device), fmt, mode)
 
 
+@pytest.mark.parametrize("dtype", SOURCES)
+@pytest.mark.parametrize("fmt,mode", MODES)
+def test_random_bit_patterns(device, fmt, mode, dtype):
+    """Every class of value at once, NaN payloads and signs included: x's
+    bits drawn uniformly, so that most blocks hold a NaN or an inf, and
+    sparser draws (one element in 64 random bits, the rest small normals)."""
+    g = torch.Generator().manual_seed(15)
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}[dtype]
+    info = torch.iinfo(ints)
+    raw = torch.randint(info.min, info.max, (64, 96), generator=g, dtype=torch.int64)
+    x = raw.to(ints).view(dtype)
+    sparse = torch.randn(64, 96, generator=g).to(dtype)
+    keep = torch.rand(64, 96, generator=g) < 1 / 64
+    x = torch.cat([x, torch.where(keep, x, sparse)])
+    assert_matches_reference(on_device(x, device), fmt, mode)
+
+
 @pytest.mark.cuda_cases
 @pytest.mark.parametrize("dtype", SOURCES)
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)

@@ -193,3 +193,21 @@ def test_rceil_smallest_scale_follows_the_spec():
     assert ours[0].item() == theirs[0].item() == 0
     assert torch.equal(torchcast.block_cast(x, "mxfp8_e4m3", scale_mode="rceil").dequantize(), x)
     assert (theirs[1] == 0).all()
+
+
+@pytest.mark.parametrize("fmt,mode", MX)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_bit_patterns_match_torchao(fmt, mode, dtype):
+    """x's bits drawn uniformly (NaN payloads, infs, subnormals, both
+    signs): the scales everywhere, the elements outside NaN-scale blocks."""
+    g = torch.Generator().manual_seed(16)
+    ints = torch.int32 if dtype == torch.float32 else torch.int16
+    info = torch.iinfo(ints)
+    x = torch.randint(info.min, info.max, (64, 256), generator=g,
+                      dtype=torch.int64).to(ints).view(dtype)
+    ours, theirs = ours_and_torchao(x, fmt, mode)
+    assert torch.equal(ours[0], theirs[0])
+    per_byte = 16 if fmt == "mxfp4" else 32
+    keep = (ours[0] != 0xFF).repeat_interleave(per_byte, dim=-1)
+    assert keep.any() and not keep.all()
+    assert torch.equal(ours[1][keep], theirs[1][keep])
