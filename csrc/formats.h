@@ -84,7 +84,8 @@ struct FormatE4M3FN {
   static constexpr bool kHasInf = false, kHasNaN = true;
   static constexpr uint32_t kSignBit = 0x80u, kMaxBits = 0x7eu;  // 448
   static constexpr uint32_t kOverflow = 0x7fu, kNaN = 0x7fu;    // no inf: NaN
-  static constexpr uint32_t kFirstOverflow = 0x43e80001u;        // just above 464 (the tie 448|480 goes to 448)
+  // Just above 464: the tie 448|480 goes to 448, the even one.
+  static constexpr uint32_t kFirstOverflow = 0x43e80001u;
   TC_HD static bool special(uint32_t em) { return em == 0x7fu; }
   TC_HD static uint32_t special_bits(uint32_t) { return 0x7fc00000u; }
 };
@@ -97,7 +98,8 @@ struct FormatE5M2 {
   static constexpr bool kHasInf = true, kHasNaN = true;
   static constexpr uint32_t kSignBit = 0x80u, kMaxBits = 0x7bu;  // 57344
   static constexpr uint32_t kOverflow = 0x7cu, kNaN = 0x7fu;    // inf, and c10's NaN
-  static constexpr uint32_t kFirstOverflow = 0x47700000u;        // 61440, the tie 57344|inf: to even, inf
+  // 61440: the tie 57344|inf goes to inf, the even one.
+  static constexpr uint32_t kFirstOverflow = 0x47700000u;
   TC_HD static bool special(uint32_t em) { return em >= 0x7cu; }
   TC_HD static uint32_t special_bits(uint32_t em) { return 0x7f800000u | ((em & 3u) << 21); }
 };
@@ -111,7 +113,8 @@ struct FormatE2M1 {
   static constexpr bool kHasInf = false, kHasNaN = false;
   static constexpr uint32_t kSignBit = 0x8u, kMaxBits = 0x7u;  // 6
   static constexpr uint32_t kOverflow = 0x7u, kNaN = 0x7u;
-  static constexpr uint32_t kFirstOverflow = 0x40e00000u;      // 7, the tie 6|8: to even, 8
+  // 7: the tie 6|8 goes to 8, the even one, past the largest.
+  static constexpr uint32_t kFirstOverflow = 0x40e00000u;
   TC_HD static bool special(uint32_t) { return false; }
   TC_HD static uint32_t special_bits(uint32_t) { return 0u; }
 };

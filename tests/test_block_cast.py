@@ -238,7 +238,8 @@ def test_nvfp4_default_tensor_scale():
     r = torchcast.block_cast(x, "nvfp4")
     assert r.tensor_scale.dtype == torch.float32
     assert r.tensor_scale == x.abs().amax() / (448.0 * 6.0)
-    for special in (torch.zeros(2, 16), torch.full((2, 16), math.inf), torch.full((1, 16), math.nan)):
+    for special in (torch.zeros(2, 16), torch.full((2, 16), math.inf),
+                    torch.full((1, 16), math.nan)):
         assert torchcast.block_cast(special, "nvfp4").tensor_scale == 1.0
 
 
@@ -315,6 +316,8 @@ def test_fallback_warns_and_matches(monkeypatch):
     (lambda x: torchcast.block_cast(x[0, 0], "mxfp8_e4m3"), ValueError, "x is 0-d"),
     (lambda x: torchcast.block_cast(x, "mxfp8_e4m3", axis=2), ValueError,
      "axis 2 is out of range"),
+    (lambda x: torchcast.block_cast(x, "mxfp4").dequantize(torch.int32), TypeError,
+     "dtype must be a floating dtype, got torch.int32"),
 ])
 @pytest.mark.parametrize("kernel", ["compiled", "reference"])
 def test_errors_name_the_problem(monkeypatch, call, error, match, kernel):

@@ -102,6 +102,8 @@ class BlockCast(NamedTuple):
         Args:
             dtype: the floating dtype of the result.
         """
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"BlockCast.dequantize: dtype must be a floating dtype, got {dtype}")
         fmt = block_format(self.format)
         data = self.data.movedim(self.axis, -1)
         scales = self.scales.movedim(self.axis, -1)
