@@ -270,19 +270,25 @@ def test_opcheck(device, fmt, mode, dtype):
     torch.library.opcheck(torch.ops.torchcast.block_cast.default, (x.t(), fmt, 2, mode, ts))
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_compiles_fullgraph(fmt):
-    @torch.compile(fullgraph=True, backend="aot_eager")
+def test_compiles_fullgraph(fmt, dynamic):
+    # One code object for every case: start each from an empty cache, so the
+    # cases' recompilations do not add up to dynamo's limit.
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="aot_eager", dynamic=dynamic)
     def f(x):
         r = torchcast.block_cast(x, fmt, axis=0)
         return r.dequantize(), r.stats_tensor, r.scales
 
-    x = heavy_tailed((64, 6), torch.float32, seed=12)
-    want = torchcast.block_cast(x, fmt, axis=0)
-    y, stats, scales = f(x)
-    assert torch.equal(y, want.dequantize())
-    assert torch.equal(stats, want.stats_tensor)
-    assert torch.equal(scales.view(torch.uint8), want.scales.view(torch.uint8))
+    for rows in (64, 70, 33):  # whole blocks, then ragged ones (recompiled or symbolic)
+        x = heavy_tailed((rows, 6), torch.float32, seed=12)
+        want = torchcast.block_cast(x, fmt, axis=0)
+        y, stats, scales = f(x)
+        assert torch.equal(y, want.dequantize())
+        assert torch.equal(stats, want.stats_tensor)
+        assert torch.equal(scales.view(torch.uint8), want.scales.view(torch.uint8))
 
 
 def test_fallback_warns_and_matches(monkeypatch):
