@@ -413,8 +413,9 @@ def tensor_health(x):
 
 # ---------------------------------------------------------------------------
 # block_cast (torchcast.block): a block-scaled cast along the last dimension.
-# Its outputs are float8, uint8 and counts: no autograd here; the
-# straight-through gradient is BlockCast.dequantize's.
+# The op's outputs are float8, uint8 and counts, never differentiable
+# (csrc/autograd.cpp); the gradient is BlockCast.dequantize's, straight
+# through to x (straight_through).
 
 from ._reference import block_cast as block_reference  # noqa: E402
 
@@ -428,6 +429,26 @@ def _block_cast_fake(x, format, block_size, scale_mode, tensor_scale=None):
             x.new_empty(len(STAT_FIELDS), dtype=torch.float64),
             x.new_empty(block_reference.SCALE_BINS, dtype=torch.int64),
             x.new_empty(len(block_reference.BLOCK_COUNTS), dtype=torch.int64))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """y (the dequantized block cast of x) with the identity as its
+    derivative with respect to x, in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.x_dtype = x.dtype
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.x_dtype), None
+
+
+def straight_through(x, y):
+    """BlockCast.dequantize's gradient: y, whose derivative with respect to
+    x is taken to be the identity."""
+    return _StraightThrough.apply(x, y)
 
 
 def block_cast(x, format, block_size, scale_mode, tensor_scale):

@@ -120,22 +120,8 @@ class BlockCast(NamedTuple):
         scale = scale.repeat_interleave(self.block_size, dim=-1)[..., :n]
         y = (elements * scale).to(dtype).movedim(-1, self.axis)
         if self.source.requires_grad and torch.is_grad_enabled():
-            return _StraightThrough.apply(self.source, y)
+            return _ops.straight_through(self.source, y)
         return y
-
-
-class _StraightThrough(torch.autograd.Function):
-    """Returns y (the dequantized cast of x) with the identity as its
-    derivative with respect to x."""
-
-    @staticmethod
-    def forward(ctx, x, y):
-        ctx.x_dtype = x.dtype
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.x_dtype), None
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
