@@ -259,6 +259,13 @@ def test_straight_through_gradient(dtype):
     assert torch.equal(jac.reshape(32, 32), torch.eye(32, dtype=torch.float64))
     with torch.no_grad():
         assert not torchcast.block_cast(x, "mxfp4").dequantize().requires_grad
+    # gradcheck and gradgradcheck of the straight-through Function itself,
+    # where y is x (its forward then is the identity, whose derivative the
+    # Function claims).
+    t = heavy_tailed((3, 8), torch.float64, seed=16).requires_grad_()
+    same = lambda v: _ops.straight_through(v, v.detach())  # noqa: E731
+    assert torch.autograd.gradcheck(same, (t,))
+    assert torch.autograd.gradgradcheck(same, (t,))
 
 
 @pytest.mark.parametrize("dtype", SOURCES)
