@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
+
 #include "cast_common.h"
 
 namespace torchcast {
@@ -51,10 +53,13 @@ BlockCastPlan plan_block_cast(const at::Tensor& x, c10::string_view format, int6
   TORCH_CHECK_VALUE(x.dim() >= 1, "torchcast.block_cast: x is 0-d; blocks run along a "
                     "dimension (x.reshape(1) for a single value)");
   const bool four_bit = plan.format == BlockFormatId::kMxfp4 || plan.format == BlockFormatId::kNvfp4;
-  TORCH_CHECK_VALUE(block_size >= 1 && (!four_bit || block_size % 2 == 0),
+  // A block's length is an int in the kernels (block_cast.h).
+  TORCH_CHECK_VALUE(block_size >= 1 && block_size <= INT32_MAX &&
+                        (!four_bit || block_size % 2 == 0),
                     "torchcast.block_cast: block_size is ", block_size, "; expected ",
                     four_bit ? "a positive even number (two 4-bit elements share a byte)"
-                             : "a positive number");
+                             : "a positive number",
+                    " up to 2^31 - 1");
   const bool nvfp4 = plan.format == BlockFormatId::kNvfp4;
   TORCH_CHECK_VALUE(tensor_scale.has_value() == nvfp4, "torchcast.block_cast: tensor_scale is ",
                     nvfp4 ? "required for nvfp4" : "only for nvfp4, not for an MX format");

@@ -142,6 +142,17 @@ def test_ragged_blocks_axes_and_layouts(device, fmt, axis):
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_block_longer_than_the_row(device, fmt):
+    """One block per row, scaled by the row's amax, whatever block_size says
+    beyond the row's length (the reference allocates nothing for it)."""
+    x = heavy_tailed((3, 10), torch.float32, seed=17)
+    huge = assert_matches_reference(on_device(x, device), fmt, block_size=2**30)
+    row = assert_matches_reference(on_device(x, device), fmt, block_size=10)
+    assert torch.equal(huge.data.view(torch.uint8), row.data.view(torch.uint8))
+    assert torch.equal(huge.scales.view(torch.uint8), row.scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 32), (1,), (2, 1), (3, 17)])
 def test_empty_and_small(device, fmt, shape):
     x = heavy_tailed(shape, torch.float32, seed=4)
@@ -320,6 +331,8 @@ def test_fallback_warns_and_matches(monkeypatch):
      "block_size is 5; expected a positive even number"),
     (lambda x: torchcast.block_cast(x, "mxfp8_e4m3", block_size=0), ValueError,
      "block_size is 0"),
+    (lambda x: torchcast.block_cast(x, "mxfp8_e4m3", block_size=2**31), ValueError,
+     "block_size is 2147483648; expected a positive number up to 2\\^31 - 1"),
     (lambda x: torchcast.block_cast(x, "mxfp8_e4m3", tensor_scale=torch.tensor(1.0)), ValueError,
      "tensor_scale is only for nvfp4"),
     (lambda x: torchcast.block_cast(x, "nvfp4", tensor_scale=torch.tensor([1.0, 2.0])),

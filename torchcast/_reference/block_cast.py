@@ -14,6 +14,7 @@ SOURCE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 SCALE_BINS = 256
 BLOCK_COUNTS = ("blocks", "saturated_blocks", "underflow_blocks", "nan_blocks")
 _E8M0_NAN = 0xFF
+_MAX_BLOCK = 2**31 - 1  # a block's length is an int in the kernels
 
 
 def check_args(x, format, block_size, scale_mode, tensor_scale):
@@ -32,10 +33,10 @@ def check_args(x, format, block_size, scale_mode, tensor_scale):
     if x.dim() == 0:
         raise ValueError("torchcast.block_cast: x is 0-d; blocks run along a dimension "
                          "(x.reshape(1) for a single value)")
-    if block_size < 1 or (fmt.packed and block_size % 2):
+    if not 1 <= block_size <= _MAX_BLOCK or (fmt.packed and block_size % 2):
         raise ValueError(f"torchcast.block_cast: block_size is {block_size}; expected a positive "
                          + ("even number (two 4-bit elements share a byte)" if fmt.packed
-                            else "number"))
+                            else "number") + " up to 2^31 - 1")
     if (tensor_scale is not None) != fmt.tensor_scale:
         raise ValueError("torchcast.block_cast: tensor_scale is "
                          + ("required for nvfp4" if fmt.tensor_scale
@@ -148,9 +149,12 @@ def block_cast(x, format, block_size, scale_mode, tensor_scale=None):
     nb = scale_shape[-1]
     xw = widen_exact(x) if x.dtype in (torch.float16, torch.bfloat16) else x
     xw = xw.reshape(rows, n).to(wide)
-    pad = nb * block_size - n
-    blocks = torch.nn.functional.pad(xw, (0, pad)).reshape(rows, nb, block_size)
-    valid = (torch.arange(nb * block_size) < n).reshape(nb, block_size).expand(rows, nb, block_size)
+    # A block longer than the row is the row: pad to whole blocks only when
+    # there are several, so a huge block_size allocates nothing.
+    width = min(block_size, max(n, 1))
+    pad = nb * width - n
+    blocks = torch.nn.functional.pad(xw, (0, pad)).reshape(rows, nb, width)
+    valid = (torch.arange(nb * width) < n).reshape(nb, width).expand(rows, nb, width)
 
     any_nan = torch.isnan(blocks).any(-1)
     amax = blocks.abs().amax(-1) if blocks.numel() else blocks.new_zeros(rows, nb)
@@ -206,7 +210,7 @@ def block_cast(x, format, block_size, scale_mode, tensor_scale=None):
             float(torch.where(measured, xd * xd, 0.0).sum())]
     stats = torch.tensor(values + maxima + [amax_x] + sums, dtype=torch.float64)
 
-    flat_codes = codes.reshape(rows, nb * block_size)[:, :n]
+    flat_codes = codes.reshape(rows, nb * width)[:, :n]
     if fmt.packed:
         flat_codes = torch.nn.functional.pad(flat_codes, (0, n % 2))
         flat_codes = flat_codes[:, 0::2] | (flat_codes[:, 1::2] << 4)
