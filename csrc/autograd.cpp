@@ -93,14 +93,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tensor_health_autograd(const at::
   return op.call(x);
 }
 
+// block_cast's outputs (elements, scales, statistics) carry no graph either:
+// its straight-through gradient is BlockCast.dequantize's (torchcast/block.py).
+using BlockCastOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+BlockCastOutputs block_cast_autograd(const at::Tensor& x, c10::string_view format,
+                                     int64_t block_size, c10::string_view scale_mode,
+                                     const std::optional<at::Tensor>& tensor_scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchcast::block_cast", "")
+                             .typed<BlockCastOutputs(const at::Tensor&, c10::string_view, int64_t,
+                                                     c10::string_view,
+                                                     const std::optional<at::Tensor>&)>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(x, format, block_size, scale_mode, tensor_scale);
+}
+
 }  // namespace
 
 // For every backend: y's derivative is the identity, stats is not
-// differentiable; tensor_health's outputs never carry a graph.
+// differentiable; tensor_health's and block_cast's outputs never carry a graph.
 TORCH_LIBRARY_IMPL(torchcast, Autograd, m) {
   m.impl("cast_with_stats", &cast_with_stats_autograd);
   m.impl("cast_with_stats.out", &cast_with_stats_out_autograd);
   m.impl("tensor_health", &tensor_health_autograd);
+  m.impl("block_cast", &block_cast_autograd);
 }
 
 }  // namespace torchcast

@@ -46,17 +46,18 @@ static constexpr const char* kSupportedPairs =
 
 namespace {
 
-// How wide a floating dtype is (0: not one torchcast measures). A cast to a
+// How wide a floating dtype is (formats.h's kRank; 0: not one torchcast
+// measures). A cast to a
 // higher rank is exact; to a lower one, or between the two 16-bit formats,
 // lossy; between the two float8 formats, not supported.
 int float_rank(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return 4;
-    case at::kFloat: return 3;
-    case at::kHalf:
-    case at::kBFloat16: return 2;
-    case at::kFloat8_e4m3fn:
-    case at::kFloat8_e5m2: return 1;
+    case at::kDouble: return FormatFloat64::kRank;
+    case at::kFloat: return FormatFloat32::kRank;
+    case at::kHalf: return FormatFloat16::kRank;
+    case at::kBFloat16: return FormatBFloat16::kRank;
+    case at::kFloat8_e4m3fn: return FormatE4M3FN::kRank;
+    case at::kFloat8_e5m2: return FormatE5M2::kRank;
     default: return 0;
   }
 }

@@ -64,12 +64,15 @@ struct Format {
   static constexpr int kBins = kRows * kColumns;
 };
 
-using Float64Format = Format<uint64_t, 52, 11, true>;
-using Float32Format = Format<uint32_t, 23, 8, true>;
-using Float16Format = Format<uint16_t, 10, 5, true>;
-using BFloat16Format = Format<uint16_t, 7, 8, true>;
-using Float8E4M3FnFormat = Format<uint8_t, 3, 4, false>;
-using Float8E5M2Format = Format<uint8_t, 2, 5, true>;
+// A dtype's layout from its facts in formats.h.
+template <typename Bits, typename F>
+using FormatOf = Format<Bits, F::kMant, F::kExpBits, F::kHasInf>;
+using Float64Format = FormatOf<uint64_t, FormatFloat64>;
+using Float32Format = FormatOf<uint32_t, FormatFloat32>;
+using Float16Format = FormatOf<uint16_t, FormatFloat16>;
+using BFloat16Format = FormatOf<uint16_t, FormatBFloat16>;
+using Float8E4M3FnFormat = FormatOf<uint8_t, FormatE4M3FN>;
+using Float8E5M2Format = FormatOf<uint8_t, FormatE5M2>;
 
 // The position of v's highest set bit, by an exact conversion to floating
 // point rather than a count-leading-zeros, so that the CPU loops calling it

@@ -11,11 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define TC_HD __host__ __device__ __forceinline__
-#else
-#define TC_HD inline __attribute__((always_inline))
-#endif
+#include "formats.h"  // the formats' facts, and TC_HD
 
 namespace torchcast {
 
@@ -187,33 +183,17 @@ TC_HD float float_round_to_odd(double d) {
   return bit_cast<float>(inexact ? (toward_zero | 1u) : u);
 }
 
-// float8 formats (OCP FP8): kMant mantissa bits, exponent bias kBias.
-// float32 -> float8 bits with round-to-nearest-even, branch-free like
-// half_bits_from_float: the subnormal path lets the FPU round by adding a
-// float whose ulp is the float8 subnormal spacing 2^(1 - kBias - kMant); the
-// normal path rebiases and adds just under half an ulp plus the odd bit.
-// |f| >= kFirstOverflow rounds past the largest finite value: that (and inf)
-// becomes kOverflow, the format's own answer (e5m2: inf; e4m3fn, which has no
-// inf: NaN). NaN becomes kNaN with f's sign, as c10 writes it.
-struct Float8E4M3FNBits {
-  static constexpr int kMant = 3, kBias = 7;
-  static constexpr uint32_t kFirstOverflow = 0x43e80001u;  // just above 464, the tie 448|480
-  static constexpr uint8_t kMaxBits = 0x7e;                // 448
-  static constexpr uint8_t kOverflow = 0x7f, kNaN = 0x7f;
-  static constexpr float min_normal = 0.015625f;  // 2^-6
-  TC_HD static bool special(uint32_t em) { return em == 0x7fu; }
-  TC_HD static uint32_t special_bits(uint32_t) { return 0x7fc00000u; }
-};
-
-struct Float8E5M2Bits {
-  static constexpr int kMant = 2, kBias = 15;
-  static constexpr uint32_t kFirstOverflow = 0x47700000u;  // 61440, the tie 57344|inf: to even, inf
-  static constexpr uint8_t kMaxBits = 0x7b;                // 57344
-  static constexpr uint8_t kOverflow = 0x7c, kNaN = 0x7f;  // inf, and c10's NaN
-  static constexpr float min_normal = 6.103515625e-05f;    // 2^-14
-  TC_HD static bool special(uint32_t em) { return em >= 0x7cu; }
-  TC_HD static uint32_t special_bits(uint32_t em) { return 0x7f800000u | ((em & 3u) << 21); }
-};
+// Narrow formats (OCP FP8, and FP4 e2m1; their facts in formats.h): kMant
+// mantissa bits, exponent bias kBias. float32 -> the format's bits with
+// round-to-nearest-even, branch-free like half_bits_from_float: the
+// subnormal path lets the FPU round by adding a float whose ulp is the
+// format's subnormal spacing 2^(1 - kBias - kMant); the normal path rebiases
+// and adds just under half an ulp plus the odd bit. |f| >= kFirstOverflow
+// rounds past the largest finite value: that (and inf) becomes kOverflow, the
+// format's own answer (e5m2: inf; e4m3fn, which has no inf: NaN; e2m1, which
+// has neither: its largest). NaN becomes kNaN with f's sign, as c10 writes it.
+using Float8E4M3FNBits = FormatE4M3FN;
+using Float8E5M2Bits = FormatE5M2;
 
 template <typename F8>
 TC_HD uint8_t float8_bits_from_float(float f) {
@@ -221,7 +201,7 @@ TC_HD uint8_t float8_bits_from_float(float f) {
   constexpr uint32_t kMagic = static_cast<uint32_t>(151 - F8::kBias - F8::kMant) << 23;
   constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - F8::kBias) << 23;
   const uint32_t w = bit_cast<uint32_t>(f);
-  const uint32_t sign = (w >> 24) & 0x80u;
+  const uint32_t sign = (w >> (32 - F8::kBits)) & F8::kSignBit;
   const uint32_t u = w & 0x7fffffffu;
   const uint32_t subnormal = bit_cast<uint32_t>(bit_cast<float>(u) + bit_cast<float>(kMagic)) - kMagic;
   const uint32_t normal = (u - (static_cast<uint32_t>(127 - F8::kBias) << 23) +
@@ -233,13 +213,14 @@ TC_HD uint8_t float8_bits_from_float(float f) {
   return static_cast<uint8_t>(sign | mag);
 }
 
+// The float32 value of a narrow format's bits (exact).
 template <typename F8>
 TC_HD float float_from_float8_bits(uint8_t b) {
   constexpr int kShift = 23 - F8::kMant;
   // 2^(1 - kBias - kMant), the subnormal spacing: em times it is exact.
   constexpr float kSpacing = 1.0f / static_cast<float>(1u << (F8::kBias + F8::kMant - 1));
-  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
-  const uint32_t em = b & 0x7fu;
+  const uint32_t sign = static_cast<uint32_t>(b & F8::kSignBit) << (32 - F8::kBits);
+  const uint32_t em = b & (F8::kSignBit - 1u);
   const uint32_t normal = (em << kShift) + (static_cast<uint32_t>(127 - F8::kBias) << 23);
   const uint32_t subnormal = bit_cast<uint32_t>(static_cast<float>(em) * kSpacing);
   const uint32_t mag = F8::special(em) ? F8::special_bits(em)
@@ -253,13 +234,13 @@ TC_HD float float_from_float8_bits(uint8_t b) {
 // largest finite value of either sign (what saturation clamps to).
 struct Float32Target {
   using storage = float;
-  static constexpr float min_normal = 1.17549435082228750797e-38f;
+  static constexpr float min_normal = FormatFloat32::kMinNormal;
   TC_HD static float round(double d) { return float_from_double(d); }
   TC_HD static float round(float f) { return f; }
   TC_HD static float widen(float s) { return s; }
   TC_HD static bool finite(float s) { return (s - s) == 0.f; }
   TC_HD static float largest(bool negative) {
-    return negative ? -3.40282346638528859812e+38f : 3.40282346638528859812e+38f;
+    return negative ? -FormatFloat32::kMax : FormatFloat32::kMax;
   }
 };
 
@@ -283,8 +264,8 @@ struct NarrowTarget {
 
 struct HalfBits {
   using storage = uint16_t;
-  static constexpr float min_normal = 6.103515625e-05f;
-  static constexpr uint32_t kMaxBits = 0x7bffu, kSignBit = 0x8000u;
+  static constexpr float min_normal = FormatFloat16::kMinNormal;
+  static constexpr uint32_t kMaxBits = FormatFloat16::kMaxBits, kSignBit = FormatFloat16::kSignBit;
   TC_HD static uint16_t from_float(float f) { return half_bits_from_float(f); }
   TC_HD static float to_float(uint16_t h) { return float_from_half_bits(h); }
   TC_HD static bool finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
@@ -293,8 +274,8 @@ using Float16Target = NarrowTarget<HalfBits>;
 
 struct BFloat16Bits {
   using storage = uint16_t;
-  static constexpr float min_normal = 1.17549435082228750797e-38f;
-  static constexpr uint32_t kMaxBits = 0x7f7fu, kSignBit = 0x8000u;
+  static constexpr float min_normal = FormatBFloat16::kMinNormal;
+  static constexpr uint32_t kMaxBits = FormatBFloat16::kMaxBits, kSignBit = FormatBFloat16::kSignBit;
   TC_HD static uint16_t from_float(float f) { return bfloat16_bits_from_float(f); }
   TC_HD static float to_float(uint16_t b) { return float_from_bfloat16_bits(b); }
   TC_HD static bool finite(uint16_t b) { return (b & 0x7f80u) != 0x7f80u; }
@@ -304,8 +285,8 @@ using BFloat16Target = NarrowTarget<BFloat16Bits>;
 template <typename F8>
 struct Float8Bits {
   using storage = uint8_t;
-  static constexpr float min_normal = F8::min_normal;
-  static constexpr uint32_t kMaxBits = F8::kMaxBits, kSignBit = 0x80u;
+  static constexpr float min_normal = F8::kMinNormal;
+  static constexpr uint32_t kMaxBits = F8::kMaxBits, kSignBit = F8::kSignBit;
   TC_HD static uint8_t from_float(float f) { return float8_bits_from_float<F8>(f); }
   TC_HD static float to_float(uint8_t b) { return float_from_float8_bits<F8>(b); }
   TC_HD static bool finite(uint8_t b) { return !F8::special(b & 0x7fu); }

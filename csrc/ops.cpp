@@ -12,6 +12,7 @@
 #include "all_finite.h"
 #include "cast_common.h"
 #include "dtype_watch.h"
+#include "formats.h"
 #include "nonfinite_watch.h"
 #include "numerics.h"
 #include "program_casts.h"
@@ -38,6 +39,34 @@ PyObject* stat_fields() {
     PyTuple_SET_ITEM(fields, i, name);
   }
   return fields;
+}
+
+// {name: (bits, exponent bits, mantissa bits, bias, emax, max, smallest
+// normal, smallest subnormal, has inf, has NaN, rank)}: formats.h's table, which
+// tests/test_formats.py checks against torchcast/formats.py's.
+PyObject* format_traits() {
+  PyObject* table = PyDict_New();
+  if (table == nullptr) return nullptr;
+  bool ok = true;
+  const auto add = [&](auto format) {
+    using F = decltype(format);
+    PyObject* row = Py_BuildValue("(iiiiidddOOi)", F::kBits, F::kExpBits, F::kMant, F::kBias,
+                                  F::kEmax, static_cast<double>(F::kMax),
+                                  static_cast<double>(F::kMinNormal),
+                                  static_cast<double>(F::kMinSubnormal),
+                                  F::kHasInf ? Py_True : Py_False, F::kHasNaN ? Py_True : Py_False,
+                                  F::kRank);
+    ok = ok && row != nullptr && PyDict_SetItemString(table, F::kName, row) == 0;
+    Py_XDECREF(row);
+  };
+#define TORCHCAST_ADD_FORMAT(F) add(torchcast::F{});
+  TORCHCAST_FORMATS(TORCHCAST_ADD_FORMAT)
+#undef TORCHCAST_ADD_FORMAT
+  if (!ok) {
+    Py_DECREF(table);
+    return nullptr;
+  }
+  return table;
 }
 
 PyObject* in_program_cast(PyObject*, PyObject*) {
@@ -367,6 +396,12 @@ PyObject* PyInit__C(void) {
     Py_DECREF(module);
     return nullptr;
   }
+  PyObject* formats = format_traits();
+  if (formats == nullptr || PyModule_AddObject(module, "format_traits", formats) < 0) {
+    Py_XDECREF(formats);
+    Py_DECREF(module);
+    return nullptr;
+  }
   return module;
 }
 }
@@ -395,6 +430,11 @@ TORCH_LIBRARY(torchcast, m) {
   m.def("kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, ScalarType? dtype=None) -> Tensor");
   // tensor_health: counts, exponent histogram and extrema of x (layout: health.h).
   m.def("tensor_health(Tensor x) -> (Tensor counts, Tensor hist, Tensor extrema)");
+  // block_cast: x cast to a block-scaled format along its last dimension,
+  // with what it lost (block_cast.h; the Python face is torchcast/block.py).
+  m.def("block_cast(Tensor x, str format, int block_size, str scale_mode, "
+        "Tensor? tensor_scale=None) -> (Tensor data, Tensor scales, Tensor stats, "
+        "Tensor scale_hist, Tensor block_counts)");
 }
 
 // Autocast passes the cast through untouched: re-casting x before the op
@@ -402,7 +442,9 @@ TORCH_LIBRARY(torchcast, m) {
 // for. An explicit fallthrough states this instead of relying on the default.
 TORCH_LIBRARY_IMPL(torchcast, AutocastCPU, m) {
   m.impl("cast_with_stats", torch::CppFunction::makeFallthrough());
+  m.impl("block_cast", torch::CppFunction::makeFallthrough());
 }
 TORCH_LIBRARY_IMPL(torchcast, AutocastCUDA, m) {
   m.impl("cast_with_stats", torch::CppFunction::makeFallthrough());
+  m.impl("block_cast", torch::CppFunction::makeFallthrough());
 }

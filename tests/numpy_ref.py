@@ -5,18 +5,16 @@ import math
 import numpy as np
 import torch
 
-# (explicit mantissa bits, minimum normal exponent, maximum exponent)
-FORMATS = {
-    torch.float32: (23, -126, 127),
-    torch.float16: (10, -14, 15),
-    torch.bfloat16: (7, -126, 127),
-    torch.float8_e4m3fn: (3, -6, 8),
-    torch.float8_e5m2: (2, -14, 15),
-}
-# OCP's e4m3fn spends the top mantissa code of its top binade on NaN: its
-# largest value is 448, not 480, and it has no inf (overflow is NaN).
-LARGEST = {dtype: (2.0 - 2.0 ** -m) * 2.0 ** emax for dtype, (m, _, emax) in FORMATS.items()}
-LARGEST[torch.float8_e4m3fn] = 448.0
+from torchcast.formats import FLOAT_RANK, FORMATS as TABLE
+
+# (explicit mantissa bits, minimum normal exponent, maximum exponent), and the
+# largest finite value, of every target: torchcast/formats.py's table (which
+# tests/test_formats.py checks against torch.finfo and ml_dtypes). OCP's
+# e4m3fn spends the top mantissa code of its top binade on NaN: its largest
+# value is 448, not 480, and it has no inf (overflow is NaN).
+FORMATS = {f.dtype: (f.mantissa_bits, 1 - f.bias, f.emax)
+           for f in TABLE.values() if f.dtype in FLOAT_RANK and f.dtype != torch.float64}
+LARGEST = {dtype: TABLE[str(dtype).replace("torch.", "")].max for dtype in FORMATS}
 
 
 def default_saturate(dtype):

@@ -10,9 +10,11 @@ from .cast import (
 )
 from .stats import CastStats
 from .health import TensorHealth, tensor_health
+from . import formats
+from .block import BlockCast, block_cast
 
 __all__ = [
-    "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
+    "BlockCast", "block_cast", "formats", "CastStats", "PrecisionLossError", "PrecisionWarning", "cast_with_stats", "get_policy",
     "kahan_mean", "kahan_sum", "last_scale", "last_stats", "nn", "optim", "policy", "safe_to",
     "scaling", "set_policy", "TensorHealth", "tensor_health",
 ]

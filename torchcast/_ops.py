@@ -422,9 +422,59 @@ def tensor_health(x):
     return _ops.tensor_health(x)
 
 
+# ---------------------------------------------------------------------------
+# block_cast (torchcast.block): a block-scaled cast along the last dimension.
+# The op's outputs are float8, uint8 and counts, never differentiable
+# (csrc/autograd.cpp); the gradient is BlockCast.dequantize's, straight
+# through to x (straight_through).
+
+from ._reference import block_cast as block_reference  # noqa: E402
+
+
+@torch.library.register_fake("torchcast::block_cast")
+def _block_cast_fake(x, format, block_size, scale_mode, tensor_scale=None):
+    fmt = block_reference.check_args(x, format, block_size, scale_mode, tensor_scale)
+    data_shape, scale_shape = block_reference.output_shapes(x, fmt, block_size)
+    return (x.new_empty(data_shape, dtype=fmt.element_dtype),
+            x.new_empty(scale_shape, dtype=fmt.scale.dtype),
+            x.new_empty(len(STAT_FIELDS), dtype=torch.float64),
+            x.new_empty(block_reference.SCALE_BINS, dtype=torch.int64),
+            x.new_empty(len(block_reference.BLOCK_COUNTS), dtype=torch.int64))
+
+
+class _StraightThrough(torch.autograd.Function):
+    """y (the dequantized block cast of x) with the identity as its
+    derivative with respect to x, in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.x_dtype = x.dtype
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.x_dtype), None
+
+
+def straight_through(x, y):
+    """BlockCast.dequantize's gradient: y, whose derivative with respect to
+    x is taken to be the identity."""
+    return _StraightThrough.apply(x, y)
+
+
+def block_cast(x, format, block_size, scale_mode, tensor_scale):
+    """(data, scales, stats, scale_hist, block_counts): the op, or the
+    pure-PyTorch fallback where no kernel exists."""
+    if not has_kernel("block_cast", device_type(x)):
+        _warn_fallback(x.device)
+        return block_reference.block_cast(x, format, block_size, scale_mode, tensor_scale)
+    return _ops.block_cast(x, format, block_size, scale_mode, tensor_scale)
+
+
 # Filled once every op above is registered (the Meta kernels come from register_fake).
 _KERNELS = frozenset(
     (name, device)
-    for name in ("cast_with_stats", "kahan_sum", "kahan_mean", "adam_step_", "tensor_health")
+    for name in ("cast_with_stats", "kahan_sum", "kahan_mean", "adam_step_", "tensor_health",
+                 "block_cast")
     for device, key in _DISPATCH_KEYS.items()
     if torch._C._dispatch_has_kernel_for_dispatch_key(f"torchcast::{name}", key))

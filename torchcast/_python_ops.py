@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from ._reference import adam as adam_reference
+from ._reference import block_cast as block_reference
 from ._reference import cast as cast_reference
 from ._reference import health as health_reference
 from ._reference import reduce as reduce_reference
@@ -72,6 +73,11 @@ def _tensor_health(x):
     return health_reference.tensor_health(x)
 
 
+def _block_cast(x, format, block_size, scale_mode, tensor_scale=None):
+    _warn_once()
+    return block_reference.block_cast(x, format, block_size, scale_mode, tensor_scale)
+
+
 _KERNELS = {
     "cast_with_stats": _cast_with_stats,
     "cast_with_stats.out": _cast_with_stats_out,
@@ -80,6 +86,7 @@ _KERNELS = {
     "kahan_sum": _kahan(False),
     "kahan_mean": _kahan(True),
     "tensor_health": _tensor_health,
+    "block_cast": _block_cast,
 }
 
 _lib = torch.library.Library("torchcast", "DEF")
@@ -116,3 +123,12 @@ def _tensor_health_autograd(x):
 
 _lib.impl("tensor_health", _tensor_health_autograd, "Autograd")
 
+
+
+# block_cast's outputs carry no graph either (csrc/autograd.cpp).
+def _block_cast_autograd(x, format, block_size, scale_mode, tensor_scale=None):
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.torchcast.block_cast(x, format, block_size, scale_mode, tensor_scale)
+
+
+_lib.impl("block_cast", _block_cast_autograd, "Autograd")

@@ -22,4 +22,7 @@ SCHEMAS = {
     "kahan_mean": "kahan_mean(Tensor x, int[1]? dim=None, bool keepdim=False, *, "
                   "ScalarType? dtype=None) -> Tensor",
     "tensor_health": "tensor_health(Tensor x) -> (Tensor counts, Tensor hist, Tensor extrema)",
+    "block_cast": "block_cast(Tensor x, str format, int block_size, str scale_mode, "
+                  "Tensor? tensor_scale=None) -> (Tensor data, Tensor scales, Tensor stats, "
+                  "Tensor scale_hist, Tensor block_counts)",
 }

@@ -10,16 +10,17 @@ import math
 
 import torch
 
+from ..formats import FLOAT_RANK, format_of
 from ..stats import STAT_FIELDS
 from . import order
 from .compensated import Compensated, PlainDouble
 from .rounding import correctly_rounded
 
-# How wide each floating dtype is: a cast to a higher rank is exact; to a
-# lower one, or between the two 16-bit formats, lossy; between the two
-# float8 formats, not supported (csrc/cast_common.cpp's float_rank).
-_RANK = {torch.float64: 4, torch.float32: 3, torch.float16: 2, torch.bfloat16: 2,
-         torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
+# How wide each floating dtype is (the formats table's rank): a cast to a
+# higher rank is exact; to a lower one, or between the two 16-bit formats,
+# lossy; between the two float8 formats, not supported (csrc/cast_common.cpp's
+# float_rank).
+_RANK = FLOAT_RANK
 SUPPORTED = (
     "supported lossy pairs: float64->float32; float64, float32->float16, bfloat16; "
     "float16<->bfloat16; float64, float32, float16, bfloat16->float8_e4m3fn, float8_e5m2. "
@@ -54,7 +55,7 @@ def resolve_saturate(saturate, dtype):
     return saturate if saturate is not None else dtype == torch.float8_e4m3fn
 
 
-_MIN_NORMAL = {dtype: torch.finfo(dtype).tiny for dtype in _RANK}
+_MIN_NORMAL = {dtype: format_of(dtype).min_normal for dtype in _RANK}
 
 
 def canonical_sum(terms, element_size):

@@ -1,9 +1,10 @@
 """Pure-PyTorch tensor_health: the fallback for devices without torchcast
 kernels and the build without the extension, with the kernels' outputs
 (csrc/health.h has the layout)."""
-import math
 
 import torch
+
+from ..formats import format_of
 
 HEALTH_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
                  torch.float8_e4m3fn, torch.float8_e5m2)
@@ -13,10 +14,9 @@ _FRACTION_BITS = 52  # float64's: every supported dtype's values are float64 val
 
 def format_exponents(dtype: torch.dtype):
     """(fraction bits, exponent of the smallest normal, exponent of the
-    largest finite value) of a floating dtype (torch.finfo has neither)."""
-    fi = torch.finfo(dtype)
-    exponent = lambda v: math.frexp(v)[1] - 1  # noqa: E731  (exact; log2 rounds near 2^1024)
-    return -exponent(fi.eps), exponent(fi.smallest_normal), exponent(fi.max)
+    largest finite value) of a floating dtype, from the formats table."""
+    f = format_of(dtype)
+    return f.mantissa_bits, 1 - f.bias, f.emax
 
 
 def binade_range(dtype: torch.dtype):

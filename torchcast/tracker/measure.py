@@ -16,15 +16,15 @@ import torch
 
 from .. import _ops
 from .._inputs import dense_strided
+from ..formats import FLOAT_RANK
 from ..stats import STAT_FIELDS, PendingStats, merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
 _NAN = STAT_FIELDS.index("nan")
 
-# Real dtypes the fused op measures, by precision rank (the two float8
-# formats cannot be cast into each other).
-_RANK = {torch.float64: 4, torch.float32: 3, torch.float16: 2, torch.bfloat16: 2,
-         torch.float8_e4m3fn: 1, torch.float8_e5m2: 1}
+# Real dtypes the fused op measures, by precision rank (the formats table's;
+# the two float8 formats cannot be cast into each other).
+_RANK = FLOAT_RANK
 _REAL_OF = {torch.complex128: torch.float64, torch.complex64: torch.float32,
             torch.complex32: torch.float16}
 _DOUBLE_ROUNDED = frozenset((torch.float64, d) for d in
