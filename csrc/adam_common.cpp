@@ -11,8 +11,9 @@ Compensation parse_compensation(std::string_view s) {
   if (s == "none") return Compensation::kNone;
   if (s == "kahan") return Compensation::kKahan;
   if (s == "remainder") return Compensation::kRemainder;
-  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan' or "
-                    "'remainder', got '", std::string(s), "'");
+  if (s == "stochastic") return Compensation::kStochastic;
+  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan', "
+                    "'remainder' or 'stochastic', got '", std::string(s), "'");
   return Compensation::kNone;
 }
 
@@ -56,7 +57,7 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   count(exp_avgs, n, "exp_avgs");
   count(exp_avg_sqs, n, "exp_avg_sqs");
   count(max_exp_avg_sqs, amsgrad ? n : 0, "max_exp_avg_sqs");
-  count(compensations, mode == Compensation::kNone ? 0 : n, "compensations");
+  count(compensations, carries(mode) ? n : 0, "compensations");
   count(state_steps, n, "state_steps");
   if (n == 0) return mode;
 
@@ -68,6 +69,10 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   TORCH_CHECK_TYPE(mode != Compensation::kRemainder || pt == at::kBFloat16,
                    "torchcast.adam_step_: compensation='remainder' stores float32 master "
                    "weights as bfloat16 + int16 and needs bfloat16 params, got ", dtype_name(pt),
+                   "; use compensation='kahan'");
+  TORCH_CHECK_TYPE(mode != Compensation::kStochastic || pt == at::kBFloat16,
+                   "torchcast.adam_step_: compensation='stochastic' rounds updates into "
+                   "bfloat16 params and needs bfloat16 params, got ", dtype_name(pt),
                    "; use compensation='kahan'");
   TORCH_CHECK_TYPE(mode != Compensation::kKahan || pt != at::kDouble,
                    "torchcast.adam_step_: compensation is for float32, bfloat16 and float16 "
@@ -95,7 +100,7 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
     check_state(exp_avgs[i], "exp_avg");
     check_state(exp_avg_sqs[i], "exp_avg_sq");
     if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq");
-    if (mode != Compensation::kNone) {
+    if (carries(mode)) {
       const at::ScalarType ct = mode == Compensation::kRemainder ? at::kShort : pt;
       TORCH_CHECK_TYPE(compensations[i].scalar_type() == ct, "torchcast.adam_step_: ",
                        "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),

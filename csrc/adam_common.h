@@ -17,7 +17,15 @@
 
 namespace torchcast {
 
-enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2 };
+// How a narrow parameter takes the part of its update that rounding would
+// lose: not at all, carried in a buffer (Kahan, remainder), or rounded
+// stochastically (unbiased, nothing stored).
+enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2, kStochastic = 3 };
+
+// Whether the mode keeps a compensation tensor per param.
+constexpr bool carries(Compensation m) {
+  return m == Compensation::kKahan || m == Compensation::kRemainder;
+}
 
 // float64 parameters and states: computed in float64, never compensated.
 struct Float64Storage {
@@ -80,12 +88,14 @@ template <typename T>
 struct AdamTensorConsts {
   T neg_step_size;     // -lr / (1 - beta1^step)
   T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
+  StochasticKey key;   // compensation="stochastic": of (seed, tensor, step)
 };
 
 struct AdamHyper {
   double lr, beta1, beta2, weight_decay, eps;
   bool amsgrad, maximize, decoupled;
   Compensation mode;
+  uint64_t seed;  // compensation="stochastic"
 };
 
 // The constants that depend on lr, on the host or (for a tensor lr that
@@ -125,11 +135,14 @@ inline double bias_correction1(const AdamHyper& h, double step) {
   return 1.0 - std::pow(h.beta1, step);
 }
 
+// The constants of tensor `tensor` (its position in the op's lists) at its
+// step count `step` (after the increment).
 template <typename T>
-AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step) {
+AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step, size_t tensor) {
   const double bc2 = 1.0 - std::pow(h.beta2, step);
   return {neg_step_size_of<T>(h.lr, bias_correction1(h, step)),
-          static_cast<T>(1.0 / std::sqrt(bc2))};
+          static_cast<T>(1.0 / std::sqrt(bc2)),
+          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step))};
 }
 
 // torch.maximum: NaN in either operand gives NaN.
@@ -148,9 +161,13 @@ struct AdamElement {
   using P = typename PT::storage;
   using S = typename ST::storage;
   using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
+  static constexpr bool kCarries = carries(M);
+  static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target>,
+                "stochastic rounding is implemented for bfloat16 params");
 
-  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, P& p, P g,
-                         S& m, S& v, S& vmax, C& c) {
+  // index: the element's position in its tensor (the stochastic counter).
+  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
+                         P& p, P g, S& m, S& v, S& vmax, C& c) {
     T pv;
     if constexpr (M == Compensation::kRemainder) {
       pv = join_bf16_remainder(p, c);
@@ -183,27 +200,30 @@ struct AdamElement {
       const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
       if constexpr (M == Compensation::kKahan) {
         kahan_update<PT>(pv, p, c, u);
-      } else {
+      } else if constexpr (M == Compensation::kRemainder) {
         split_bf16_remainder(pv + u, p, c);
+      } else {
+        p = bfloat16_bits_stochastic(pv + u, stochastic_bits(t.key, index));
       }
     }
   }
 
-  // step() on element j of the operand arrays, with its gradient g. vmax
-  // and c are read and written only where the step uses them.
-  TC_HD static void step_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j, P* p,
-                            P g, S* m, S* v, S* vmax, C* c) {
+  // step() on element j of the operand arrays (element `index` of the
+  // tensor), with its gradient g. vmax and c are read and written only where
+  // the step uses them.
+  TC_HD static void step_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
+                            int64_t index, P* p, P g, S* m, S* v, S* vmax, C* c) {
     P pj = p[j];
     S mj = m[j], vj = v[j], xj{};
     C cj{};
     if constexpr (kAmsgrad) xj = vmax[j];
-    if constexpr (M != Compensation::kNone) cj = c[j];
-    step(k, t, pj, g, mj, vj, xj, cj);
+    if constexpr (kCarries) cj = c[j];
+    step(k, t, index, pj, g, mj, vj, xj, cj);
     p[j] = pj;
     m[j] = mj;
     v[j] = vj;
     if constexpr (kAmsgrad) vmax[j] = xj;
-    if constexpr (M != Compensation::kNone) c[j] = cj;
+    if constexpr (kCarries) c[j] = cj;
   }
 };
 
@@ -224,6 +244,7 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
   using None = std::integral_constant<Compensation, Compensation::kNone>;
   using Kahan = std::integral_constant<Compensation, Compensation::kKahan>;
   using Remainder = std::integral_constant<Compensation, Compensation::kRemainder>;
+  using Stochastic = std::integral_constant<Compensation, Compensation::kStochastic>;
   const auto modes = [&](auto pt, auto st) {
     using PT = decltype(pt);
     if constexpr (std::is_same_v<PT, Float64Storage>) {
@@ -233,6 +254,7 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
       if (mode == Compensation::kKahan) flags(pt, st, Kahan{});
       if constexpr (std::is_same_v<PT, BFloat16Target>) {
         if (mode == Compensation::kRemainder) flags(pt, st, Remainder{});
+        if (mode == Compensation::kStochastic) flags(pt, st, Stochastic{});
       }
     }
   };
@@ -275,7 +297,8 @@ T* operand_ptr(const at::Tensor& t) {
 }
 
 // The tensor lists of one adam_step_ call, one entry per param
-// (max_exp_avg_sqs only with amsgrad, compensations only when compensated).
+// (max_exp_avg_sqs only with amsgrad, compensations only in a mode that
+// carries() them).
 struct AdamTensors {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
       state_steps;
@@ -310,7 +333,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
                bool decoupled_weight_decay, std::string_view compensation,
                const std::optional<at::Tensor>& grad_scale,
-               const std::optional<at::Tensor>& found_inf) {
+               const std::optional<at::Tensor>& found_inf, int64_t seed) {
   if constexpr (!std::is_same_v<Lr, double>) {
     TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
     if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
@@ -326,7 +349,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   // passed.
   if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
   const AdamHyper h{backend.lr_of(lr), beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, mode};
+                    decoupled_weight_decay, mode, static_cast<uint64_t>(seed)};
   backend.unscale(grads, grad_scale);
 
   std::vector<double> steps;
@@ -337,7 +360,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     steps.push_back(increment_step(state_steps[i]));
     ops.emplace_back(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
                      amsgrad ? &max_exp_avg_sqs[i] : nullptr,
-                     mode != Compensation::kNone ? &compensations[i] : nullptr,
+                     carries(mode) ? &compensations[i] : nullptr,
                      /*grad_mutated=*/Backend::kUnscalesInKernel && grad_scale.has_value());
   }
   dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,

@@ -268,7 +268,8 @@ def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, c
 @torch.library.register_fake("torchcast::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                     state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+                    decoupled_weight_decay, compensation, grad_scale=None, found_inf=None,
+                    seed=0):
     _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                         state_steps, lr, grad_scale, found_inf)
     return None
@@ -278,7 +279,7 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compe
 def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                               compensations, state_steps, *, lr, beta1, beta2, weight_decay,
                               eps, amsgrad, maximize, decoupled_weight_decay, compensation,
-                              grad_scale=None, found_inf=None):
+                              grad_scale=None, found_inf=None, seed=0):
     _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                         state_steps, lr, grad_scale, found_inf)
     return None

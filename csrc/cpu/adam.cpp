@@ -19,7 +19,8 @@ constexpr int64_t kAdamChunk = int64_t{1} << 16;
 template <typename PT, typename ST, Compensation M, bool kAmsgrad>
 using Elem = AdamElement<PT, ST, M, kAmsgrad>;
 
-// The hot loop. Unused operands (vmax without amsgrad, c without
+// The hot loop over elements [first, first + n) of a tensor (the operand
+// pointers start at element first). Unused operands (vmax without amsgrad, c without
 // compensation) are never touched.
 template <typename PT, typename ST, Compensation M, bool kAmsgrad>
 TC_CPU_CLONES void adam_run(const AdamConsts<typename Elem<PT, ST, M, kAmsgrad>::T>& consts,
@@ -29,10 +30,11 @@ TC_CPU_CLONES void adam_run(const AdamConsts<typename Elem<PT, ST, M, kAmsgrad>:
                             typename ST::storage* __restrict__ m,
                             typename ST::storage* __restrict__ v,
                             typename ST::storage* __restrict__ vmax,
-                            typename Elem<PT, ST, M, kAmsgrad>::C* __restrict__ c, int64_t n) {
+                            typename Elem<PT, ST, M, kAmsgrad>::C* __restrict__ c, int64_t first,
+                            int64_t n) {
   using E = Elem<PT, ST, M, kAmsgrad>;
   const AdamConsts<typename E::T> k = consts;
-  for (int64_t j = 0; j < n; ++j) E::step_at(k, tconsts, j, p, g[j], m, v, vmax, c);
+  for (int64_t j = 0; j < n; ++j) E::step_at(k, tconsts, j, first + j, p, g[j], m, v, vmax, c);
 }
 
 template <typename PT, typename ST, Compensation M, bool kAmsgrad>
@@ -46,7 +48,7 @@ void adam_cpu_typed(std::vector<TensorOperands>& ops, const AdamHyper& h,
   const AdamConsts<T> k = adam_consts<T>(h);
   std::vector<AdamTensorConsts<T>> tk;
   tk.reserve(ops.size());
-  for (double s : steps) tk.push_back(adam_tensor_consts<T>(h, s));
+  for (size_t i = 0; i < steps.size(); ++i) tk.push_back(adam_tensor_consts<T>(h, steps[i], i));
 
   struct Chunk {
     int64_t tensor, begin, len;
@@ -64,11 +66,11 @@ void adam_cpu_typed(std::vector<TensorOperands>& ops, const AdamHyper& h,
       const TensorOperands& o = ops[static_cast<size_t>(ch.tensor)];
       const int64_t b = ch.begin;
       S* vmax = kAmsgrad ? operand_ptr<S>(o.vmax) + b : nullptr;
-      C* c = M != Compensation::kNone ? operand_ptr<C>(o.c) + b : nullptr;
+      C* c = E::kCarries ? operand_ptr<C>(o.c) + b : nullptr;
       adam_run<PT, ST, M, kAmsgrad>(k, tk[static_cast<size_t>(ch.tensor)],
                                     operand_ptr<P>(o.p) + b, operand_ptr<const P>(o.g) + b,
                                     operand_ptr<S>(o.m) + b, operand_ptr<S>(o.v) + b, vmax, c,
-                                    ch.len);
+                                    b, ch.len);
     }
   });
 }

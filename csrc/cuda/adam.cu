@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kAdamThreads)
       gj = PT::round(PT::widen(gj) * inv_scale);
       g[j] = gj;
     }
-    E::step_at(k, t, j, p, gj, m, v, vmax, c);
+    E::step_at(k, t, j, j, p, gj, m, v, vmax, c);
   }
 }
 
@@ -119,7 +119,7 @@ void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
     if (numel == 0) continue;
     tensors.push_back({o.p.data_ptr(), o.g.data_ptr(), o.m.data_ptr(), o.v.data_ptr(),
                        operand_ptr<void>(o.vmax), operand_ptr<void>(o.c), numel, nchunks,
-                       bias_correction1(h, steps[i]), adam_tensor_consts<T>(h, steps[i])});
+                       bias_correction1(h, steps[i]), adam_tensor_consts<T>(h, steps[i], i)});
     nchunks += (numel + kAdamChunk - 1) / kAdamChunk;
   }
   if (tensors.empty()) return;

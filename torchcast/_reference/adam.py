@@ -42,11 +42,69 @@ def step_constants(compute, lr, beta1, beta2, weight_decay, eps, maximize, decou
         lr_wd=r(lr * weight_decay))
 
 
-def tensor_constants(compute, lr, beta1, beta2, step):
-    """AdamTensorConsts: what depends on the parameter's step count."""
+def tensor_constants(compute, lr, beta1, beta2, step, seed=0, tensor=0):
+    """AdamTensorConsts: what depends on the parameter's step count (and,
+    for stochastic rounding, its key from the seed and its position
+    ``tensor`` in the op's lists)."""
     r = _rounder(compute)
     return SimpleNamespace(neg_step_size=r(-(lr / (1.0 - beta1 ** step))),
-                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)))
+                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)),
+                           key=stochastic_key(seed, tensor, int(step)))
+
+
+# -- stochastic rounding (numerics.h), on Python ints and int64 tensors ----------
+
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+def splitmix64(z):
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def stochastic_key(seed, tensor, step):
+    """(lo, hi): the 32-bit halves of the key of one tensor at one step."""
+    z = splitmix64(splitmix64(splitmix64(seed & _M64) ^ tensor) ^ (step & _M64))
+    return z & _M32, z >> 32
+
+
+def _mul32(x, c):
+    """x * c mod 2^32 for an int64 tensor x of uint32 values, without int64
+    overflow (c split into 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def element_index(p):
+    """Each element's position in the order the kernel steps p: p's memory
+    order when p is dense (as empty_like preserves it), row-major otherwise
+    (the kernel steps a contiguous copy)."""
+    like = torch.empty_like(p, dtype=torch.int64, device="cpu")
+    return torch.arange(p.numel(), dtype=torch.int64).as_strided(like.shape, like.stride())
+
+
+def stochastic_bits(key, index):
+    """numerics.h stochastic_bits: 32 random bits per element index (int64)."""
+    lo, hi = key
+    return mix32((mix32((index & _M32) ^ lo) + ((index >> 32) ^ hi)) & _M32)
+
+
+def bfloat16_stochastic(x, r):
+    """numerics.h bfloat16_bits_stochastic: float32 x rounded to bfloat16 with
+    the random bits r (int64 tensor of uint32 values)."""
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    rounded = (u + (r >> 16)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return _as_int16(torch.where(nan, 0x7FC0, rounded & 0xFFFF)).view(torch.bfloat16)
 
 
 def _sqrt(x):
@@ -114,6 +172,9 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
     u = upd - k.lr_wd * pv if k.use_decay else upd
     if mode == "kahan":
         kahan_update(pv, p, c, u)
+    elif mode == "stochastic":
+        bits = stochastic_bits(t.key, element_index(p)).to(p.device)
+        p.copy_(bfloat16_stochastic(pv + u, bits))
     else:
         hi, lo = split_bf16_remainder(pv + u)
         p.copy_(hi)
@@ -130,14 +191,15 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     def fail(kind, message):
         raise kind(f"torchcast.adam_step_: {message}")
 
-    if compensation not in ("none", "kahan", "remainder"):
-        fail(ValueError, "compensation must be 'none', 'kahan' or 'remainder', got "
-                         f"'{compensation}'")
+    if compensation not in ("none", "kahan", "remainder", "stochastic"):
+        fail(ValueError, "compensation must be 'none', 'kahan', 'remainder' or 'stochastic', "
+                         f"got '{compensation}'")
+    carries = compensation in ("kahan", "remainder")
     n = len(params)
     for lst, want, what in ((grads, n, "grads"), (exp_avgs, n, "exp_avgs"),
                             (exp_avg_sqs, n, "exp_avg_sqs"),
                             (max_exp_avg_sqs, n if amsgrad else 0, "max_exp_avg_sqs"),
-                            (compensations, 0 if compensation == "none" else n, "compensations"),
+                            (compensations, n if carries else 0, "compensations"),
                             (state_steps, n, "state_steps")):
         if len(lst) != want:
             fail(ValueError, f"{want} {what} expected (one per param"
@@ -150,6 +212,9 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     if compensation == "remainder" and pt != torch.bfloat16:
         fail(TypeError, "compensation='remainder' stores float32 master weights as bfloat16 + "
                         f"int16 and needs bfloat16 params, got {pt}; use compensation='kahan'")
+    if compensation == "stochastic" and pt != torch.bfloat16:
+        fail(TypeError, "compensation='stochastic' rounds updates into bfloat16 params and needs "
+                        f"bfloat16 params, got {pt}; use compensation='kahan'")
     if compensation == "kahan" and pt == torch.float64:
         fail(TypeError, "compensation is for float32, bfloat16 and float16 params, got "
                         "torch.float64")
@@ -189,7 +254,7 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
             if t.dtype != st:
                 fail(TypeError, f"{what} {i} is {t.dtype} but exp_avg 0 is {st}")
             same_shape(p, t, what, i)
-        if compensation != "none":
+        if carries:
             if compensations[i].dtype != comp_dtype:
                 fail(TypeError, f"compensation {i} is {compensations[i].dtype} but must be "
                                 f"{comp_dtype}")
@@ -205,10 +270,11 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None, seed=0):
     """torch.ops.torchcast.adam_step_ in pure PyTorch."""
     check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, amsgrad, compensation)
+    carries = compensation in ("kahan", "remainder")
     if not params:
         return
     if found_inf is not None and found_inf.item() != 0:
@@ -224,7 +290,7 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     for i, p in enumerate(params):
         step = state_steps[i]
         step.add_(1)
-        t = tensor_constants(compute, lr, beta1, beta2, step.item())
+        t = tensor_constants(compute, lr, beta1, beta2, step.item(), seed, i)
         _step_tensor(k, t, compute, compensation, amsgrad, p, grads[i], exp_avgs[i],
                      exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None,
-                     compensations[i] if compensation != "none" else None)
+                     compensations[i] if carries else None)
