@@ -42,7 +42,8 @@ void check_same_shape(const at::Tensor& p, const at::Tensor& t, const char* what
 
 Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_view compensation,
                              const std::optional<at::Tensor>& grad_scale,
-                             const std::optional<at::Tensor>& found_inf) {
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::TensorList>& update_stats) {
   const at::TensorList &params = args.params, &grads = args.grads, &exp_avgs = args.exp_avgs,
                        &exp_avg_sqs = args.exp_avg_sqs, &max_exp_avg_sqs = args.max_exp_avg_sqs,
                        &compensations = args.compensations, &state_steps = args.state_steps;
@@ -59,6 +60,7 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   count(max_exp_avg_sqs, amsgrad ? n : 0, "max_exp_avg_sqs");
   count(compensations, carries(mode) ? n : 0, "compensations");
   count(state_steps, n, "state_steps");
+  if (update_stats.has_value()) count(*update_stats, n, "update_stats");
   if (n == 0) return mode;
 
   const at::ScalarType pt = params[0].scalar_type();
@@ -106,6 +108,18 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
                        "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),
                        " but must be ", dtype_name(ct));
       check_same_shape(p, compensations[i], "compensation", i);
+    }
+    if (update_stats.has_value()) {
+      const at::Tensor& u = (*update_stats)[i];
+      TORCH_CHECK_TYPE(u.scalar_type() == at::kLong, "torchcast.adam_step_: update_stats ", i,
+                       " is ", dtype_name(u.scalar_type()), " but must be torch.int64");
+      TORCH_CHECK_VALUE(u.layout() == at::kStrided && u.dim() == 1 &&
+                            u.size(0) == kNumUpdateStats && u.is_contiguous(),
+                        "torchcast.adam_step_: update_stats ", i, " must be a contiguous "
+                        "int64 tensor of ", static_cast<int>(kNumUpdateStats),
+                        " elements, got shape ", u.sizes());
+      TORCH_CHECK(u.device() == p.device(), "torchcast.adam_step_: update_stats ", i,
+                  " is on ", u.device(), " but its param is on ", p.device());
     }
     const at::Tensor& s = state_steps[i];
     TORCH_CHECK_VALUE(s.numel() == 1 && (s.scalar_type() == at::kFloat ||

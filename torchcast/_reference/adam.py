@@ -147,7 +147,45 @@ def kahan_update(pv, p, c, u):
     c.copy_(settled(t, (t - p.to(pv.dtype)) + e))
 
 
-def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
+# -- update accounting (adam_common.h UpdateStat, UpdateTally) -------------------
+
+# The entries of one param's update_stats tensor (int64), in the kernel's order.
+UPDATE_STAT_FIELDS = ("elements", "updated", "lost", "shrunk", "comp_sum", "comp_max")
+COMP_UNITS = 2 ** 20  # comp_sum and comp_max count |compensation| / ulp in 2^-20 units
+_COMP_CAP = float(2 ** 40)
+
+
+def flip_last_bit(p):
+    """p with its last significand bit flipped: one ulp away from p."""
+    iview = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
+    return (p.contiguous().view(iview) ^ 1).view(p.dtype)
+
+
+def _tally(stats, p, p_old, intended, mode, c):
+    """AdamElement::tally_element over a tensor, added to stats: p and c after
+    the step, p_old the stored param before it, intended the float64 update."""
+    change = p.double() - p_old.double()
+    updated = (intended != 0) & (intended - intended == 0)
+    add = [p.numel(), int(updated.sum()), int((updated & (change == 0)).sum()),
+           int((updated & (2.0 * change.abs() < intended.abs())).sum()), 0]
+    q_max = 0
+    if mode in ("kahan", "remainder"):
+        p_new = p.float()
+        carried = c.float() if mode == "kahan" else join_bf16_remainder(p, c) - p_new
+        ulp = (flip_last_bit(p).float() - p_new).abs()
+        units = (carried.abs() / ulp) * float(COMP_UNITS)
+        capped = torch.where(units < _COMP_CAP, units,
+                             torch.where(units == units, _COMP_CAP, 0.0))
+        q = capped.to(torch.int64)
+        add[4] = int(q.sum())
+        q_max = int(q.max()) if q.numel() else 0
+    for i, value in enumerate(add):
+        stats[i] += value
+    stats[5] = max(int(stats[5]), q_max)
+
+
+def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
+    p_old = p.clone()
     pv = join_bf16_remainder(p, c) if mode == "remainder" else p.to(compute)
     gr = g.to(compute) * k.grad_sign
     if k.use_l2:
@@ -168,6 +206,9 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
     upd = (t.neg_step_size * m.to(compute)) / denom
     if mode == "none":
         p.copy_(pv * k.decay + upd)
+        if stats is not None:
+            intended = upd.double() - (k.lr_wd if k.use_decay else 0.0) * pv.double()
+            _tally(stats, p, p_old, intended, mode, c)
         return
     u = upd - k.lr_wd * pv if k.use_decay else upd
     if mode == "kahan":
@@ -179,13 +220,15 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
         hi, lo = split_bf16_remainder(pv + u)
         p.copy_(hi)
         c.copy_(lo)
+    if stats is not None:
+        _tally(stats, p, p_old, u.double(), mode, c)
 
 
 _NARROW = (torch.bfloat16, torch.float16)
 
 
 def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, amsgrad, compensation):
+               state_steps, amsgrad, compensation, update_stats=None):
     """The argument checks of csrc/adam_common.cpp (check_adam_args), with its
     exception types and messages."""
     def fail(kind, message):
@@ -200,7 +243,9 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
                             (exp_avg_sqs, n, "exp_avg_sqs"),
                             (max_exp_avg_sqs, n if amsgrad else 0, "max_exp_avg_sqs"),
                             (compensations, n if carries else 0, "compensations"),
-                            (state_steps, n, "state_steps")):
+                            (state_steps, n, "state_steps"),
+                            *([(update_stats, n, "update_stats")] if update_stats is not None
+                              else [])):
         if len(lst) != want:
             fail(ValueError, f"{want} {what} expected (one per param"
                              f"{', none here' if want == 0 else ''}), got {len(lst)}")
@@ -259,6 +304,17 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
                 fail(TypeError, f"compensation {i} is {compensations[i].dtype} but must be "
                                 f"{comp_dtype}")
             same_shape(p, compensations[i], "compensation", i)
+        if update_stats is not None:
+            u = update_stats[i]
+            if u.dtype != torch.int64:
+                fail(TypeError, f"update_stats {i} is {u.dtype} but must be torch.int64")
+            if not (u.layout == torch.strided and u.dim() == 1
+                    and u.shape[0] == len(UPDATE_STAT_FIELDS) and u.is_contiguous()):
+                fail(ValueError, f"update_stats {i} must be a contiguous int64 tensor of "
+                                 f"{len(UPDATE_STAT_FIELDS)} elements, got shape {list(u.shape)}")
+            if u.device != p.device:
+                fail(RuntimeError, f"update_stats {i} is on {u.device} but its param is on "
+                                   f"{p.device}")
         step = state_steps[i]
         if not (step.numel() == 1 and step.dtype in (torch.float32, torch.float64)):
             fail(ValueError, f"state_step {i} must be a one-element float32 or float64 tensor, "
@@ -270,10 +326,11 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None, seed=0):
+               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None, seed=0,
+               update_stats=None):
     """torch.ops.torchcast.adam_step_ in pure PyTorch."""
     check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, amsgrad, compensation)
+               state_steps, amsgrad, compensation, update_stats)
     carries = compensation in ("kahan", "remainder")
     if not params:
         return
@@ -293,4 +350,5 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
         t = tensor_constants(compute, lr, beta1, beta2, step.item(), seed, i)
         _step_tensor(k, t, compute, compensation, amsgrad, p, grads[i], exp_avgs[i],
                      exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None,
-                     compensations[i] if carries else None)
+                     compensations[i] if carries else None,
+                     None if update_stats is None else update_stats[i])

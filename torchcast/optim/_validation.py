@@ -70,7 +70,8 @@ def fused_devices():
 # -- hyperparameters --------------------------------------------------------------
 
 def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, capturable,
-                    differentiable, compensated, compensation, state_dtype, seed) -> None:
+                    differentiable, compensated, compensation, state_dtype, seed,
+                    track_updates) -> None:
     """The constructor's arguments, in torch.optim.Adam's order and with its
     messages where it has them."""
     check_hyperparameter_types(f"torchcast.optim.{name}", lr, betas, eps, weight_decay)
@@ -87,6 +88,13 @@ def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, captu
         check_differentiable_options(name, compensated, compensation, state_dtype)
     if seed is not None:
         check_seed(f"torchcast.optim.{name}", seed)
+    if not isinstance(track_updates, bool):
+        raise TypeError(f"torchcast.optim.{name}: track_updates must be a bool, got "
+                        f"{what(track_updates)}")
+    if track_updates and differentiable:
+        raise ValueError(f"torchcast.optim.{name}: differentiable=True runs torch's own Adam "
+                         "step, which does not count lost updates; track_updates=True "
+                         "cannot be used with it")
 
 
 def check_seed(where, seed) -> None:

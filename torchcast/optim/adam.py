@@ -11,7 +11,8 @@ from torch.optim.optimizer import ParamsT
 
 from .. import _ops
 from .._reference import adam as adam_reference
-from . import _validation
+from . import _update_stats, _validation
+from ._update_stats import UpdateStats
 from ._validation import is_dtensor, real_dtype
 
 __all__ = ["Adam", "AdamW"]
@@ -22,7 +23,8 @@ _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # The state key of the compensation a mode carries (the op's compensations).
 _CARRIES = {"kahan": "compensation", "remainder": "remainder"}
-_OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads", "seed")
+_OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads", "seed",
+                   "track_updates")
 _OWN_STATE_KEYS = ("compensation", "remainder")
 _KNOWN_STATE_KEYS = ("step",) + _MOMENTS + _OWN_STATE_KEYS
 # The state keys of a param, by (compensation mode, amsgrad).
@@ -56,6 +58,7 @@ class _Batch:
     max_exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
     compensations: List[torch.Tensor] = dataclasses.field(default_factory=list)
     state_steps: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    update_stats: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class _Loaded:
@@ -115,6 +118,11 @@ class Adam(Optimizer):
             state dict (which keeps the seed in its param groups) continues
             bit for bit. None draws one from torch's default generator
             (``torch.manual_seed`` governs it) (default: None).
+        track_updates (bool, optional): whether the step also counts, per
+            param and in the same pass, the updates that rounding lost or
+            shrank and the compensation carried, into a small int64 tensor
+            on the param's device, read by ``update_stats()`` (no host sync
+            per step; docs/adam.md, "Update accounting") (default: False).
         compensation (str, optional): "kahan" keeps a buffer of the param's
             dtype with what the last rounding lost; "remainder" (bfloat16
             params only) keeps the low 16 bits of a float32 master weight as
@@ -175,7 +183,7 @@ class Adam(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 state_dtype: Optional[torch.dtype] = None,
+                 track_updates: bool = False, state_dtype: Optional[torch.dtype] = None,
                  cast_grads: bool = False, decoupled_weight_decay: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
@@ -185,13 +193,16 @@ class Adam(Optimizer):
         _validation.check_arguments(
             name, lr, betas, eps, weight_decay, foreach=foreach, fused=fused,
             capturable=capturable, differentiable=differentiable, compensated=compensated,
-            compensation=compensation, state_dtype=state_dtype, seed=seed)
+            compensation=compensation, state_dtype=state_dtype, seed=seed,
+            track_updates=track_updates)
         if seed is None:
             seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
         self._valid_configs = set()  # (options, dtype) already checked by _check_param
+        self._update_counters = {}  # param -> int64 counter (track_updates), made at its step
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, compensated=compensated,
-                        compensation=compensation, seed=seed, state_dtype=state_dtype,
+                        compensation=compensation, seed=seed, track_updates=track_updates,
+                        state_dtype=state_dtype,
                         cast_grads=cast_grads, decoupled_weight_decay=decoupled_weight_decay,
                         foreach=foreach, fused=fused, capturable=False,
                         differentiable=bool(differentiable))
@@ -227,6 +238,7 @@ class Adam(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_valid_configs", set())
+        self.__dict__.setdefault("_update_counters", {})
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -381,6 +393,7 @@ class Adam(Optimizer):
                 self._torch_step(group, items, grad_scale, found_inf)
                 continue
             amsgrad = bool(group["amsgrad"])
+            track = bool(group["track_updates"])
             batches = {}  # (device, dtype, state dtype, mode) -> _Batch
             for p, g in items:
                 plain = not (p.is_complex() or is_dtensor(p))
@@ -407,6 +420,11 @@ class Adam(Optimizer):
                 if mode in _CARRIES:
                     b.compensations.append(tensors[-1])
                 b.state_steps.append(state["step"])
+                if track:
+                    counter = self._update_counters.get(p)
+                    if counter is None or counter.device != local.device:
+                        counter = self._update_counters[p] = _update_stats.new_counter(local)
+                    b.update_stats.append(counter)
             for bi, ((device, _, _, mode), batch) in enumerate(batches.items()):
                 seed = _stream_seed(group["seed"], gi, bi) if mode == "stochastic" else 0
                 self._launch(group, device, mode, batch, grad_scale, found_inf, seed)
@@ -445,7 +463,28 @@ class Adam(Optimizer):
             amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
-            found_inf=None if found_inf is None else found_inf.to(device), seed=seed)
+            found_inf=None if found_inf is None else found_inf.to(device), seed=seed,
+            update_stats=batch.update_stats if group["track_updates"] else None)
+
+    def update_stats(self, reset: bool = False) -> UpdateStats:
+        """What rounding did to the updates of the params stepped with
+        ``track_updates=True``, summed since their first tracked step (or
+        the last reset): per param and per param group, the fraction of
+        element-steps whose update was rounded away entirely (``lost``) or
+        shrunk below half (``shrunk``), and for the compensated modes the
+        compensation carried, in ulps of the param. Reading synchronizes
+        with the device once (one transfer per device); the steps never do.
+
+        Args:
+            reset (bool, optional): zero the counts after reading them
+                (default: False).
+
+        Returns:
+            UpdateStats: ``params`` (one UpdateRecord per tracked param that
+            has stepped) and ``groups`` (one total per param group);
+            ``str()`` of it is a table.
+        """
+        return _update_stats.collect(self.param_groups, self._update_counters, reset)
 
     # -- state ----------------------------------------------------------------
 
@@ -604,7 +643,7 @@ class AdamW(Adam):
 
     Args:
         params, lr, betas, eps, amsgrad, maximize, compensated, compensation,
-        seed, state_dtype, cast_grads, foreach, fused, capturable, differentiable:
+        seed, track_updates, state_dtype, cast_grads, foreach, fused, capturable, differentiable:
             as ``torchcast.optim.Adam``.
         weight_decay (float, optional): weight decay coefficient: each step
             decays the param by ``lr * weight_decay``, inside the compensated
@@ -620,12 +659,13 @@ class AdamW(Adam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 state_dtype: Optional[torch.dtype] = None,
+                 track_updates: bool = False, state_dtype: Optional[torch.dtype] = None,
                  cast_grads: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          compensated=compensated, compensation=compensation, seed=seed,
+                         track_updates=track_updates,
                          state_dtype=state_dtype, cast_grads=cast_grads,
                          decoupled_weight_decay=True, foreach=foreach, fused=fused,
                          capturable=capturable, differentiable=differentiable)
