@@ -154,6 +154,16 @@ def test_optimizer_seed_reproducible():
                                                      optimizer_run(124, 2)))
 
 
+def test_bad_seed_set_on_a_group_fails_the_step_before_anything_changes():
+    p = torch.nn.Parameter(torch.ones(4).bfloat16())
+    opt = Adam([p], compensation="stochastic", seed=1)
+    opt.param_groups[0]["seed"] = -5
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="param group 0: seed must be in"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(4).bfloat16()) and not opt.state[p]
+
+
 def test_seed_none_follows_torch_manual_seed():
     p = [torch.nn.Parameter(torch.zeros(3).bfloat16())]
     torch.manual_seed(42)

@@ -87,7 +87,10 @@ def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, captu
     if differentiable:
         check_differentiable_options(name, compensated, compensation, state_dtype)
     if seed is not None:
-        check_seed(f"torchcast.optim.{name}", seed)
+        try:
+            check_seed(seed)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"torchcast.optim.{name}: {e}") from None
     if not isinstance(track_updates, bool):
         raise TypeError(f"torchcast.optim.{name}: track_updates must be a bool, got "
                         f"{what(track_updates)}")
@@ -97,13 +100,12 @@ def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, captu
                          "cannot be used with it")
 
 
-def check_seed(where, seed) -> None:
-    """The stochastic-rounding seed: an int in [0, 2^63), the op's int64.
-    ``where`` heads the message."""
+def check_seed(seed) -> None:
+    """The stochastic-rounding seed: an int in [0, 2^63), the op's int64."""
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{where}: seed must be an int in [0, 2**63), got {what(seed)}")
+        raise TypeError(f"seed must be an int in [0, 2**63), got {what(seed)}")
     if not 0 <= seed < 2 ** 63:
-        raise ValueError(f"{where}: seed must be in [0, 2**63), got {seed}")
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
 
 
 def check_number(key, value, below_one=False) -> None:
@@ -200,7 +202,7 @@ def check_group(name, group, gi) -> None:
         check_number("betas[1]", betas[1], below_one=True)
         check_number("eps", group["eps"])
         check_number("weight_decay", group["weight_decay"])
-        check_seed("seed", group.get("seed", 0))
+        check_seed(group.get("seed", 0))
     except (TypeError, ValueError) as e:
         raise type(e)(f"torchcast.optim.{name}: param group {gi}: {e}; "
                       "nothing was updated") from None
