@@ -72,9 +72,9 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
                    "torchcast.adam_step_: compensation='remainder' stores float32 master "
                    "weights as bfloat16 + int16 and needs bfloat16 params, got ", dtype_name(pt),
                    "; use compensation='kahan'");
-  TORCH_CHECK_TYPE(mode != Compensation::kStochastic || pt == at::kBFloat16,
+  TORCH_CHECK_TYPE(mode != Compensation::kStochastic || is_narrow(pt),
                    "torchcast.adam_step_: compensation='stochastic' rounds updates into "
-                   "bfloat16 params and needs bfloat16 params, got ", dtype_name(pt),
+                   "16-bit params and needs bfloat16 or float16 params, got ", dtype_name(pt),
                    "; use compensation='kahan'");
   TORCH_CHECK_TYPE(mode != Compensation::kKahan || pt != at::kDouble,
                    "torchcast.adam_step_: compensation is for float32, bfloat16 and float16 "

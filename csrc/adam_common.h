@@ -200,8 +200,9 @@ struct AdamElement {
   using S = typename ST::storage;
   using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
   static constexpr bool kCarries = carries(M);
-  static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target>,
-                "stochastic rounding is implemented for bfloat16 params");
+  static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target> ||
+                    std::is_same_v<PT, Float16Target>,
+                "stochastic rounding is implemented for bfloat16 and float16 params");
 
   // index: the element's position in its tensor (the stochastic counter).
   TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
@@ -252,7 +253,12 @@ struct AdamElement {
       } else if constexpr (M == Compensation::kRemainder) {
         split_bf16_remainder(pv + u, p, c);
       } else {
-        p = bfloat16_bits_stochastic(pv + u, stochastic_bits(t.key, index));
+        const uint32_t bits = stochastic_bits(t.key, index);
+        if constexpr (std::is_same_v<PT, BFloat16Target>) {
+          p = bfloat16_bits_stochastic(pv + u, bits);
+        } else {
+          p = half_bits_stochastic(pv + u, bits);
+        }
       }
       if constexpr (kTrack) intended = static_cast<double>(u);
     }
@@ -345,6 +351,8 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
       if (mode == Compensation::kKahan) flags(pt, st, Kahan{});
       if constexpr (std::is_same_v<PT, BFloat16Target>) {
         if (mode == Compensation::kRemainder) flags(pt, st, Remainder{});
+      }
+      if constexpr (!std::is_same_v<PT, Float32Target>) {
         if (mode == Compensation::kStochastic) flags(pt, st, Stochastic{});
       }
     }

@@ -656,4 +656,27 @@ TC_HD uint16_t bfloat16_bits_stochastic(float f, uint32_t r) {
   return static_cast<uint16_t>((nan & 0x7fc0u) | (~nan & rounded));
 }
 
+// f rounded to float16 with the random bits r. float16's dropped bits are
+// not at a fixed place (13 for normals, more for subnormals), so the
+// rounding is done in values: low, f's float16 neighbour toward zero (the
+// nearest one, stepped back in magnitude where it rounded away), spacing,
+// the distance to the next one away from zero, and up with probability
+// frac = (|f| - |low|) / spacing (exact: Sterbenz, and a power-of-two
+// spacing), against 24 random bits: exactly frac whenever frac has at most
+// 24 bits (every normal float16 result; a subnormal one is within 2^-24
+// of it). The spacing is taken from low's last bit flipped, so that it is
+// 32 at the largest finite value and a value past 65536 always rounds to
+// inf; inf and NaN stay as the nearest rounding leaves them (frac NaN).
+TC_HD uint16_t half_bits_stochastic(float f, uint32_t r) {
+  const float a = fabsf(f);
+  const uint16_t nearest = half_bits_from_float(f);
+  const uint16_t low = static_cast<uint16_t>(
+      nearest - (fabsf(float_from_half_bits(nearest)) > a ? 1u : 0u));
+  const float low_value = float_from_half_bits(low);
+  const float spacing = fabsf(float_from_half_bits(static_cast<uint16_t>(low ^ 1u)) - low_value);
+  const float frac = (a - fabsf(low_value)) / spacing;
+  const float threshold = static_cast<float>(r >> 8) * 5.9604644775390625e-8f;  // 2^-24
+  return static_cast<uint16_t>(low + (threshold < frac ? 1u : 0u));
+}
+
 }  // namespace torchcast

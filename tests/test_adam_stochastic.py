@@ -1,7 +1,8 @@
-"""compensation="stochastic": the update rounded into bfloat16 params up or
-down at random. Checked against exact values (fractions.Fraction): the mean
+"""compensation="stochastic": the update rounded into bfloat16 or float16
+params up or down at random. Checked against exact values
+(fractions.Fraction, with ml_dtypes and numpy for the neighbours): the mean
 of many rounded results equals the exact float32 value within its
-statistical bound, every result is one of its two bfloat16 neighbours, and
+statistical bound, every result is one of its two neighbours, and
 the bits depend on the seed alone (not the thread count, the chunking or the
 device). The kernel equals the pure-PyTorch reference bit for bit in
 tests/test_adam.py (COMBOS)."""
@@ -23,7 +24,7 @@ OPS = torch.ops.torchcast
 
 
 def sign_step(p, lr, seed, steps=1, grad_sign=1.0, device="cpu"):
-    """Steps bfloat16 params p with Adam at beta1 = beta2 = eps = 0 and grads
+    """Steps bfloat16 or float16 params p with Adam at beta1 = beta2 = eps = 0 and grads
     of +-1: the update is then exactly -lr * sign(grad) (float32 lr), so each
     param becomes float32(p - lr * sign) rounded stochastically. Returns the
     params after each step, every step from the same p (step counts go on,
@@ -42,19 +43,23 @@ def sign_step(p, lr, seed, steps=1, grad_sign=1.0, device="cpu"):
     return out
 
 
-def neighbours(x):
-    """The bfloat16 values just below and above the float32 value x (equal
-    when x is a bfloat16), as Fractions."""
-    down = np.array(x, dtype=np.float32).astype(ml_dtypes.bfloat16)  # nearest
+NUMPY_DTYPE = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
+
+
+def neighbours(x, dtype=torch.bfloat16):
+    """The values of dtype just below and above the float32 value x (equal
+    when x is one of them), as Fractions."""
+    nd = NUMPY_DTYPE[dtype]
+    down = np.array(x, dtype=np.float32).astype(nd)  # nearest
     if Fraction(float(down)) > Fraction(float(x)):
-        down = np.nextafter(down, np.array(-np.inf, dtype=ml_dtypes.bfloat16))
+        down = np.nextafter(down, np.array(-np.inf, dtype=nd))
     up = down if Fraction(float(down)) == Fraction(float(x)) else np.nextafter(
-        down, np.array(np.inf, dtype=ml_dtypes.bfloat16))
+        down, np.array(np.inf, dtype=nd))
     return Fraction(float(down)), Fraction(float(up))
 
 
 def assert_unbiased(results, exact, down, up):
-    """results: bfloat16 values, each down or up, whose mean must equal exact
+    """results: 16-bit values, each down or up, whose mean must equal exact
     within 5 standard deviations of a mean of Bernoulli draws."""
     vals = [Fraction(v) for v in results.double().tolist()]
     assert set(vals) <= {down, up}, set(vals) - {down, up}
@@ -67,46 +72,61 @@ def assert_unbiased(results, exact, down, up):
     assert abs(ups - float(q) * n) <= 5 * sigma + 1, (ups, float(q) * n, sigma)
 
 
-# p - lr: fractions of an ulp from near 0 to near 1, both signs, a value whose
-# result crosses a binade (1 - lr), a subnormal bfloat16 and an exact one.
-CASES = [(1.0, 0.3 * 2 ** -7), (1.0, 0.01 * 2 ** -8), (-3.0, 0.77 * 2 ** -6),
-         (-3.0, -0.5 * 2 ** -6), (2.0 ** -130, 2.0 ** -134 * 1.25), (0.5, 2 ** -9),
-         (1e30, 1e26)]
+# (dtype, p, lr), the result p - lr: fractions of an ulp from near 0 to near
+# 1, both signs, a result below a binade boundary (1 - lr), a subnormal and
+# an exact one, in each dtype.
+CASES = [
+    (torch.bfloat16, 1.0, 0.3 * 2 ** -7), (torch.bfloat16, 1.0, 0.01 * 2 ** -8),
+    (torch.bfloat16, -3.0, 0.77 * 2 ** -6), (torch.bfloat16, -3.0, -0.5 * 2 ** -6),
+    (torch.bfloat16, 2.0 ** -130, 2.0 ** -134 * 1.25), (torch.bfloat16, 0.5, 2 ** -9),
+    (torch.bfloat16, 1e30, 1e26),
+    (torch.float16, 1.0, 0.3 * 2 ** -10), (torch.float16, 1.0, 0.01 * 2 ** -11),
+    (torch.float16, -3.0, 0.77 * 2 ** -9), (torch.float16, -3.0, -0.5 * 2 ** -9),
+    (torch.float16, 2.0 ** -20, 2.0 ** -26 * 1.25), (torch.float16, 2.0 ** -24, 0.3 * 2 ** -24),
+    (torch.float16, 0.5, 2 ** -12), (torch.float16, 60000.0, 10.0),
+]
 
 
-@pytest.mark.parametrize("p0,lr", CASES)
-def test_mean_over_elements_is_the_exact_value(device, p0, lr):
+@pytest.mark.parametrize("dtype,p0,lr", CASES)
+def test_mean_over_elements_is_the_exact_value(device, dtype, p0, lr):
     """2^15 elements, one step: the mean of the rounded results equals the
     float32 p - lr (exact, from Fractions) within its statistical bound."""
-    p = torch.full((2 ** 15,), p0, dtype=torch.bfloat16)
+    p = torch.full((2 ** 15,), p0, dtype=dtype)
     grad_sign = 1.0 if lr > 0 else -1.0
     (q,) = sign_step(p, abs(lr), seed=7, grad_sign=grad_sign, device=device)
     x = np.float32(np.float32(float(p[0])) - np.float32(lr))  # the float32 step
     exact = Fraction(float(x))
-    down, up = neighbours(x)
+    down, up = neighbours(x, dtype)
     assert_unbiased(q, exact, down, up)
 
 
-def test_mean_over_steps_is_the_exact_value():
+@pytest.mark.parametrize("dtype,lr", [(torch.bfloat16, 0.3 * 2 ** -7),
+                                      (torch.float16, 0.3 * 2 ** -10)])
+def test_mean_over_steps_is_the_exact_value(dtype, lr):
     """One element stepped 3000 times from the same value (each step a new
     key): the same bound, over time rather than over elements."""
-    p = torch.full((3,), 1.0, dtype=torch.bfloat16)
-    lr = 0.3 * 2 ** -7
+    p = torch.full((3,), 1.0, dtype=dtype)
     results = torch.cat(sign_step(p, lr, seed=11, steps=3000))[1::3]  # element 1
     x = np.float32(np.float32(1.0) - np.float32(lr))
-    assert_unbiased(results, Fraction(float(x)), *neighbours(x))
+    assert_unbiased(results, Fraction(float(x)), *neighbours(x, dtype))
 
 
-def test_special_values():
-    """inf stays inf, NaN stays NaN, an exact result is unchanged, and a value
-    within an ulp below the largest finite bfloat16 never exceeds it."""
-    big = float(torch.finfo(torch.bfloat16).max)
-    p = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0, big], dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_special_values(dtype):
+    """inf stays inf, NaN stays NaN, an exact result is unchanged, a value
+    below the largest finite one never exceeds it, and past it (float16: an
+    ulp and more past 65504) becomes inf."""
+    big = float(torch.finfo(dtype).max)
+    p = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0, big], dtype=dtype)
     for q in sign_step(p, 0.0, seed=3, steps=4):  # lr 0: the update is -0
         assert_same_bits(q[[0, 1, 3, 4]], p[[0, 1, 3, 4]])
         assert torch.isnan(q[2])
-    for q in sign_step(p[4:], 2.0 ** 100, seed=3, steps=50):  # big - 2^100: below big
+    below = 2.0 ** 100 if dtype == torch.bfloat16 else 3.0  # far below big's ulp
+    for q in sign_step(p[4:], below, seed=3, steps=50):
         assert q.item() <= big
+    if dtype == torch.float16:
+        over = sign_step(torch.full((64,), big, dtype=dtype), 40.0, seed=3, grad_sign=-1.0)[0]
+        assert bool(torch.isposinf(over).all())  # 65544: (65544 - 65504) / 32 > 1
 
 
 def test_same_seed_same_bits_whatever_threads_and_chunks():

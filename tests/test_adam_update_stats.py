@@ -25,7 +25,8 @@ COMBOS = [
     (torch.float64, torch.float64, "none"),
     *[(torch.bfloat16, s, m) for s in (torch.float32, torch.bfloat16)
       for m in ("none", "kahan", "remainder", "stochastic")],
-    *[(torch.float16, s, m) for s in (torch.float32, torch.bfloat16) for m in ("none", "kahan")],
+    *[(torch.float16, s, m) for s in (torch.float32, torch.bfloat16)
+      for m in ("none", "kahan", "stochastic")],
 ]
 COMBO_IDS = [f"{str(p)[6:]}-{str(s)[6:]}-{m}" for p, s, m in COMBOS]
 SIGNIFICAND = {torch.float32: (24, -149), torch.bfloat16: (8, -133), torch.float16: (11, -24)}

@@ -107,6 +107,23 @@ def bfloat16_stochastic(x, r):
     return _as_int16(torch.where(nan, 0x7FC0, rounded & 0xFFFF)).view(torch.bfloat16)
 
 
+def _half_of_bits(b):
+    return _as_int16(b & 0xFFFF).view(torch.float16).float()
+
+
+def float16_stochastic(x, r):
+    """numerics.h half_bits_stochastic: float32 x rounded to float16 with the
+    random bits r (NaN payloads as torch's cast leaves them)."""
+    a = x.abs()
+    nearest = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    low = nearest - (_half_of_bits(nearest).abs() > a).to(torch.int64)
+    low_value = _half_of_bits(low)
+    spacing = (_half_of_bits(low ^ 1) - low_value).abs()
+    frac = (a - low_value.abs()) / spacing
+    threshold = (r >> 8).to(torch.float32) * 2.0 ** -24
+    return _as_int16((low + (threshold < frac).to(torch.int64)) & 0xFFFF).view(torch.float16)
+
+
 def _sqrt(x):
     # torch's float32 sqrt is not correctly rounded on AVX-512 CPUs; through
     # float64 it is (53 >= 2 * 24 + 2 bits: the double rounding is innocuous,
@@ -215,7 +232,8 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
         kahan_update(pv, p, c, u)
     elif mode == "stochastic":
         bits = stochastic_bits(t.key, element_index(p)).to(p.device)
-        p.copy_(bfloat16_stochastic(pv + u, bits))
+        rounded = bfloat16_stochastic if p.dtype == torch.bfloat16 else float16_stochastic
+        p.copy_(rounded(pv + u, bits))
     else:
         hi, lo = split_bf16_remainder(pv + u)
         p.copy_(hi)
@@ -257,9 +275,9 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     if compensation == "remainder" and pt != torch.bfloat16:
         fail(TypeError, "compensation='remainder' stores float32 master weights as bfloat16 + "
                         f"int16 and needs bfloat16 params, got {pt}; use compensation='kahan'")
-    if compensation == "stochastic" and pt != torch.bfloat16:
-        fail(TypeError, "compensation='stochastic' rounds updates into bfloat16 params and needs "
-                        f"bfloat16 params, got {pt}; use compensation='kahan'")
+    if compensation == "stochastic" and pt not in _NARROW:
+        fail(TypeError, "compensation='stochastic' rounds updates into 16-bit params and needs "
+                        f"bfloat16 or float16 params, got {pt}; use compensation='kahan'")
     if compensation == "kahan" and pt == torch.float64:
         fail(TypeError, "compensation is for float32, bfloat16 and float16 params, got "
                         "torch.float64")

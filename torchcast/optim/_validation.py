@@ -240,11 +240,11 @@ def check_param(name, group, gi, i, p, mode) -> None:
             f"torchcast.optim.{name}: {where}: compensation='remainder' holds float32 "
             "master weights as bfloat16 + int16 and needs bfloat16 params; use "
             "compensation='kahan' for this one (e.g. in its own param group)")
-    if mode == "stochastic" and dtype != torch.bfloat16:
+    if mode == "stochastic" and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"torchcast.optim.{name}: {where}: compensation='stochastic' rounds updates "
-            "into bfloat16 params and needs bfloat16 params; use compensation='kahan' for "
-            "this one (e.g. in its own param group)")
+            "into 16-bit params and needs bfloat16 or float16 params; use "
+            "compensation='kahan' for this one (e.g. in its own param group)")
     # complex32 is the one complex dtype of a narrow (float16) real part.
     if p.dtype == torch.complex32 and group["state_dtype"] == torch.bfloat16:
         raise ValueError(f"torchcast.optim.{name}: {where}: there is no complex bfloat16 "

@@ -128,8 +128,8 @@ class Adam(Optimizer):
             params only) keeps the low 16 bits of a float32 master weight as
             int16, so that param + remainder is the float32 master bit for
             bit, at the same 2 bytes per parameter; "stochastic" (bfloat16
-            params only) keeps nothing and rounds each updated weight to
-            bfloat16 up or down at random, unbiased, from ``seed``
+            and float16 params) keeps nothing and rounds each updated weight
+            to the param's dtype up or down at random, unbiased, from ``seed``
             (default: "kahan").
         state_dtype (torch.dtype, optional): the dtype of ``exp_avg`` and
             ``exp_avg_sq`` (and ``max_exp_avg_sq``) of bfloat16 and float16
