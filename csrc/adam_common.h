@@ -168,19 +168,26 @@ enum UpdateStat : int {
 // CPU and CUDA tallies agree bit for bit; 2^43 element-steps at a full ulp
 // each before an int64 fills.
 constexpr float kCompUnits = 1048576.0f;
-constexpr float kCompCap = 1099511627776.0f;  // 2^40 units: a ratio past 2^20 is clamped
+// 2^30 units: a ratio past 1024 ulp (never seen: a compensation is within an
+// ulp) is clamped, so that a ratio converts to int32, which AVX2 vectorizes.
+constexpr float kCompCap = 1073741824.0f;
 
 // One thread's tally of the update accounting over the elements it stepped.
+// The max is kept as the bits of a non-negative float (whose order is its
+// value's): an integer max beside the sums is what gcc vectorizes.
 struct UpdateTally {
-  int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0, comp_max = 0;
+  int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0;
+  uint32_t comp_max_bits = 0;  // float units, clamped to [0, kCompCap]
 
   TC_HD void merge(const UpdateTally& o) {
     updated += o.updated;
     lost += o.lost;
     shrunk += o.shrunk;
     comp_sum += o.comp_sum;
-    comp_max = comp_max > o.comp_max ? comp_max : o.comp_max;
+    comp_max_bits = comp_max_bits > o.comp_max_bits ? comp_max_bits : o.comp_max_bits;
   }
+  // The kStatCompMax entry: the largest ratio in units, truncated.
+  TC_HD int64_t comp_max() const { return static_cast<int64_t>(bit_cast<float>(comp_max_bits)); }
 };
 
 // p with its last significand bit flipped: one ulp away from p, whatever p's
@@ -287,13 +294,16 @@ struct AdamElement {
       }
       const T ulp = tc_abs(PT::widen(flip_last_bit(p)) - p_new);
       // ulp is a power of two: the ratio and its scaling are exact. A
-      // non-finite param (ratio NaN) counts 0.
-      const T units = (tc_abs(carried) / ulp) * static_cast<T>(kCompUnits);
-      const T capped = units < static_cast<T>(kCompCap) ? units
-                                                        : (units == units ? static_cast<T>(kCompCap) : T(0));
-      const int64_t q = static_cast<int64_t>(capped);
-      tally.comp_sum += q;
-      tally.comp_max = tally.comp_max > q ? tally.comp_max : q;
+      // non-finite param (ratio NaN, of either sign) counts 0. Clamped on
+      // the bits (units >= 0: bit order is value order), as integer ops.
+      const float units = (tc_abs(carried) / ulp) * kCompUnits;
+      const uint32_t bits = bit_cast<uint32_t>(units);
+      const uint32_t nan =
+          static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (bits & 0x7fffffffu)) >> 31);
+      const uint32_t cap = bit_cast<uint32_t>(kCompCap);
+      const uint32_t clamped = (bits < cap ? bits : cap) & ~nan;
+      tally.comp_sum += static_cast<int32_t>(bit_cast<float>(clamped));
+      tally.comp_max_bits = tally.comp_max_bits > clamped ? tally.comp_max_bits : clamped;
     }
   }
 

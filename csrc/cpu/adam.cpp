@@ -34,8 +34,11 @@ TC_CPU_CLONES UpdateTally adam_run(
     typename Elem<PT, ST, M, kAmsgrad, kTrack>::C* __restrict__ c, int64_t first, int64_t n) {
   using E = Elem<PT, ST, M, kAmsgrad, kTrack>;
   const AdamConsts<typename E::T> k = consts;
-  // Plain locals, so that gcc keeps the tally's sums and max in vector registers.
-  int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0, comp_max = 0;
+  // Plain locals, so that gcc keeps the tally's sums and max in vector
+  // registers (checked with -fopt-info-vec: every tracked loop vectorizes
+  // for x86-64-v4 and v3).
+  int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0;
+  uint32_t comp_max_bits = 0;
   for (int64_t j = 0; j < n; ++j) {
     UpdateTally e;
     E::step_at(k, tconsts, j, first + j, p, g[j], m, v, vmax, c, e);
@@ -44,7 +47,7 @@ TC_CPU_CLONES UpdateTally adam_run(
       lost += e.lost;
       shrunk += e.shrunk;
       comp_sum += e.comp_sum;
-      comp_max = comp_max > e.comp_max ? comp_max : e.comp_max;
+      comp_max_bits = comp_max_bits > e.comp_max_bits ? comp_max_bits : e.comp_max_bits;
     }
   }
   UpdateTally out;
@@ -52,7 +55,7 @@ TC_CPU_CLONES UpdateTally adam_run(
   out.lost = lost;
   out.shrunk = shrunk;
   out.comp_sum = comp_sum;
-  out.comp_max = comp_max;
+  out.comp_max_bits = comp_max_bits;
   return out;
 }
 
@@ -64,7 +67,7 @@ void add_tally(const at::Tensor& stats, int64_t numel, const UpdateTally& t) {
   s[kStatLost] += t.lost;
   s[kStatShrunk] += t.shrunk;
   s[kStatCompSum] += t.comp_sum;
-  s[kStatCompMax] = std::max(s[kStatCompMax], t.comp_max);
+  s[kStatCompMax] = std::max(s[kStatCompMax], t.comp_max());
 }
 
 template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>

@@ -64,7 +64,7 @@ __device__ void add_tally(int64_t* stats, UpdateTally t) {
     o.lost = __shfl_down_sync(0xffffffffu, t.lost, off);
     o.shrunk = __shfl_down_sync(0xffffffffu, t.shrunk, off);
     o.comp_sum = __shfl_down_sync(0xffffffffu, t.comp_sum, off);
-    o.comp_max = __shfl_down_sync(0xffffffffu, t.comp_max, off);
+    o.comp_max_bits = __shfl_down_sync(0xffffffffu, t.comp_max_bits, off);
     t.merge(o);
   }
   if ((threadIdx.x & 31u) != 0) return;
@@ -73,7 +73,8 @@ __device__ void add_tally(int64_t* stats, UpdateTally t) {
   atomicAdd(u + kStatLost, static_cast<unsigned long long>(t.lost));
   atomicAdd(u + kStatShrunk, static_cast<unsigned long long>(t.shrunk));
   atomicAdd(u + kStatCompSum, static_cast<unsigned long long>(t.comp_sum));
-  atomicMax(reinterpret_cast<long long*>(stats) + kStatCompMax, static_cast<long long>(t.comp_max));
+  atomicMax(reinterpret_cast<long long*>(stats) + kStatCompMax,
+            static_cast<long long>(t.comp_max()));
 }
 
 template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>

@@ -169,7 +169,7 @@ def kahan_update(pv, p, c, u):
 # The entries of one param's update_stats tensor (int64), in the kernel's order.
 UPDATE_STAT_FIELDS = ("elements", "updated", "lost", "shrunk", "comp_sum", "comp_max")
 COMP_UNITS = 2 ** 20  # comp_sum and comp_max count |compensation| / ulp in 2^-20 units
-_COMP_CAP = float(2 ** 40)
+_COMP_CAP = float(2 ** 30)  # units: a ratio past 1024 ulp is clamped
 
 
 def flip_last_bit(p):
