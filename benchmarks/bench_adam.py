@@ -91,6 +91,11 @@ def speed(rounds, copy_gbs, threads, args, run):
         cases["ours, bf16 kahan"] = (opt(AdamW, torch.bfloat16), step_bytes(2, 4, 2, n))
         cases["ours, bf16 remainder"] = (opt(AdamW, torch.bfloat16, compensation="remainder"),
                                          step_bytes(2, 4, 2, n))
+        cases["ours, bf16 stochastic"] = (
+            opt(AdamW, torch.bfloat16, compensation="stochastic", seed=0), step_bytes(2, 4, 0, n))
+        # The update accounting's cost: the same step, counting lost updates.
+        cases["ours, bf16 kahan, track_updates"] = (
+            opt(AdamW, torch.bfloat16, track_updates=True), step_bytes(2, 4, 2, n))
         cases["ours, bf16 kahan, bf16 states"] = (
             opt(AdamW, torch.bfloat16, state_dtype=torch.bfloat16), step_bytes(2, 2, 2, n))
         # The usual fix: float32 master weights stepped by torch's fused
@@ -201,6 +206,7 @@ LM_RUNS = [
     ("bfloat16, ours kahan, bf16 states", torch.bfloat16,
      {"state_dtype": torch.bfloat16}, 8),
     ("bfloat16, ours remainder", torch.bfloat16, {"compensation": "remainder"}, 12),
+    ("bfloat16, ours stochastic", torch.bfloat16, {"compensation": "stochastic", "seed": 0}, 10),
     ("bfloat16 + float32 master, torch Adam", torch.bfloat16, "master", 14),
 ]
 
@@ -287,7 +293,7 @@ def lm_table(steps, lrs):
 # The runs the picture draws: the references, plain 16-bit and the compensated ones.
 PLOTTED = ("float32, torch Adam (reference)", "bfloat16, torch Adam",
            "bfloat16, ours uncompensated", "bfloat16, ours kahan", "bfloat16, ours remainder",
-           "bfloat16 + float32 master, torch Adam")
+           "bfloat16, ours stochastic", "bfloat16 + float32 master, torch Adam")
 
 
 def plot_curves(curves, path):

@@ -11,8 +11,9 @@ Compensation parse_compensation(std::string_view s) {
   if (s == "none") return Compensation::kNone;
   if (s == "kahan") return Compensation::kKahan;
   if (s == "remainder") return Compensation::kRemainder;
-  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan' or "
-                    "'remainder', got '", std::string(s), "'");
+  if (s == "stochastic") return Compensation::kStochastic;
+  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan', "
+                    "'remainder' or 'stochastic', got '", std::string(s), "'");
   return Compensation::kNone;
 }
 
@@ -41,7 +42,8 @@ void check_same_shape(const at::Tensor& p, const at::Tensor& t, const char* what
 
 Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_view compensation,
                              const std::optional<at::Tensor>& grad_scale,
-                             const std::optional<at::Tensor>& found_inf) {
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::TensorList>& update_stats) {
   const at::TensorList &params = args.params, &grads = args.grads, &exp_avgs = args.exp_avgs,
                        &exp_avg_sqs = args.exp_avg_sqs, &max_exp_avg_sqs = args.max_exp_avg_sqs,
                        &compensations = args.compensations, &state_steps = args.state_steps;
@@ -56,8 +58,9 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   count(exp_avgs, n, "exp_avgs");
   count(exp_avg_sqs, n, "exp_avg_sqs");
   count(max_exp_avg_sqs, amsgrad ? n : 0, "max_exp_avg_sqs");
-  count(compensations, mode == Compensation::kNone ? 0 : n, "compensations");
+  count(compensations, carries(mode) ? n : 0, "compensations");
   count(state_steps, n, "state_steps");
+  if (update_stats.has_value()) count(*update_stats, n, "update_stats");
   if (n == 0) return mode;
 
   const at::ScalarType pt = params[0].scalar_type();
@@ -68,6 +71,10 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   TORCH_CHECK_TYPE(mode != Compensation::kRemainder || pt == at::kBFloat16,
                    "torchcast.adam_step_: compensation='remainder' stores float32 master "
                    "weights as bfloat16 + int16 and needs bfloat16 params, got ", dtype_name(pt),
+                   "; use compensation='kahan'");
+  TORCH_CHECK_TYPE(mode != Compensation::kStochastic || is_narrow(pt),
+                   "torchcast.adam_step_: compensation='stochastic' rounds updates into "
+                   "16-bit params and needs bfloat16 or float16 params, got ", dtype_name(pt),
                    "; use compensation='kahan'");
   TORCH_CHECK_TYPE(mode != Compensation::kKahan || pt != at::kDouble,
                    "torchcast.adam_step_: compensation is for float32, bfloat16 and float16 "
@@ -95,12 +102,24 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
     check_state(exp_avgs[i], "exp_avg");
     check_state(exp_avg_sqs[i], "exp_avg_sq");
     if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq");
-    if (mode != Compensation::kNone) {
+    if (carries(mode)) {
       const at::ScalarType ct = mode == Compensation::kRemainder ? at::kShort : pt;
       TORCH_CHECK_TYPE(compensations[i].scalar_type() == ct, "torchcast.adam_step_: ",
                        "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),
                        " but must be ", dtype_name(ct));
       check_same_shape(p, compensations[i], "compensation", i);
+    }
+    if (update_stats.has_value()) {
+      const at::Tensor& u = (*update_stats)[i];
+      TORCH_CHECK_TYPE(u.scalar_type() == at::kLong, "torchcast.adam_step_: update_stats ", i,
+                       " is ", dtype_name(u.scalar_type()), " but must be torch.int64");
+      TORCH_CHECK_VALUE(u.layout() == at::kStrided && u.dim() == 1 &&
+                            u.size(0) == kNumUpdateStats && u.is_contiguous(),
+                        "torchcast.adam_step_: update_stats ", i, " must be a contiguous "
+                        "int64 tensor of ", static_cast<int>(kNumUpdateStats),
+                        " elements, got shape ", u.sizes());
+      TORCH_CHECK(u.device() == p.device(), "torchcast.adam_step_: update_stats ", i,
+                  " is on ", u.device(), " but its param is on ", p.device());
     }
     const at::Tensor& s = state_steps[i];
     TORCH_CHECK_VALUE(s.numel() == 1 && (s.scalar_type() == at::kFloat ||

@@ -17,7 +17,15 @@
 
 namespace torchcast {
 
-enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2 };
+// How a narrow parameter takes the part of its update that rounding would
+// lose: not at all, carried in a buffer (Kahan, remainder), or rounded
+// stochastically (unbiased, nothing stored).
+enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2, kStochastic = 3 };
+
+// Whether the mode keeps a compensation tensor per param.
+constexpr bool carries(Compensation m) {
+  return m == Compensation::kKahan || m == Compensation::kRemainder;
+}
 
 // float64 parameters and states: computed in float64, never compensated.
 struct Float64Storage {
@@ -38,6 +46,7 @@ struct ComputeOf<Float64Storage> {
 
 TC_HD float tc_sqrt(float x) { return sqrtf(x); }
 TC_HD double tc_sqrt(double x) { return sqrt(x); }
+TC_HD float tc_abs(float x) { return fabsf(x); }
 
 // An unsigned integer as wide as T, and a select by a mask of all ones or all
 // zeros in it: gcc does not vectorize a ?: on a loop-invariant bool, but it
@@ -80,12 +89,14 @@ template <typename T>
 struct AdamTensorConsts {
   T neg_step_size;     // -lr / (1 - beta1^step)
   T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
+  StochasticKey key;   // compensation="stochastic": of (seed, tensor, step)
 };
 
 struct AdamHyper {
   double lr, beta1, beta2, weight_decay, eps;
   bool amsgrad, maximize, decoupled;
   Compensation mode;
+  uint64_t seed;  // compensation="stochastic"
 };
 
 // The constants that depend on lr, on the host or (for a tensor lr that
@@ -125,11 +136,14 @@ inline double bias_correction1(const AdamHyper& h, double step) {
   return 1.0 - std::pow(h.beta1, step);
 }
 
+// The constants of tensor `tensor` (its position in the op's lists) at its
+// step count `step` (after the increment).
 template <typename T>
-AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step) {
+AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step, size_t tensor) {
   const double bc2 = 1.0 - std::pow(h.beta2, step);
   return {neg_step_size_of<T>(h.lr, bias_correction1(h, step)),
-          static_cast<T>(1.0 / std::sqrt(bc2))};
+          static_cast<T>(1.0 / std::sqrt(bc2)),
+          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step))};
 }
 
 // torch.maximum: NaN in either operand gives NaN.
@@ -138,19 +152,69 @@ TC_HD T max_nan(T a, T b) {
   return (a > b || a != a) ? a : b;
 }
 
+// Update accounting (track_updates): per param, int64 entries that the step
+// adds to (the last one: a running max). torchcast/_reference/adam.py
+// UPDATE_STAT_FIELDS names them in this order.
+enum UpdateStat : int {
+  kStatElements,  // elements stepped
+  kStatUpdated,   // of those, with a finite non-zero intended update
+  kStatLost,      // of those, whose stored param did not change
+  kStatShrunk,    // of those, whose stored param changed by less than half of it
+  kStatCompSum,   // sum of |compensation| / ulp(param), in units of 2^-20
+  kStatCompMax,   // max of the same
+  kNumUpdateStats
+};
+// 2^20 units per ulp: integers add in any order to the same total, so the
+// CPU and CUDA tallies agree bit for bit; 2^43 element-steps at a full ulp
+// each before an int64 fills.
+constexpr float kCompUnits = 1048576.0f;
+// 2^30 units: a ratio past 1024 ulp (never seen: a compensation is within an
+// ulp) is clamped, so that a ratio converts to int32, which AVX2 vectorizes.
+constexpr float kCompCap = 1073741824.0f;
+
+// One thread's tally of the update accounting over the elements it stepped.
+// The max is kept as the bits of a non-negative float (whose order is its
+// value's): an integer max beside the sums is what gcc vectorizes.
+struct UpdateTally {
+  int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0;
+  uint32_t comp_max_bits = 0;  // float units, clamped to [0, kCompCap]
+
+  TC_HD void merge(const UpdateTally& o) {
+    updated += o.updated;
+    lost += o.lost;
+    shrunk += o.shrunk;
+    comp_sum += o.comp_sum;
+    comp_max_bits = comp_max_bits > o.comp_max_bits ? comp_max_bits : o.comp_max_bits;
+  }
+  // The kStatCompMax entry: the largest ratio in units, truncated.
+  TC_HD int64_t comp_max() const { return static_cast<int64_t>(bit_cast<float>(comp_max_bits)); }
+};
+
+// p with its last significand bit flipped: one ulp away from p, whatever p's
+// binade (subnormals and zero included).
+TC_HD uint16_t flip_last_bit(uint16_t p) { return static_cast<uint16_t>(p ^ 1u); }
+TC_HD float flip_last_bit(float p) { return bit_cast<float>(bit_cast<uint32_t>(p) ^ 1u); }
+
 // One element of the step. PT/ST: parameter and state storage formats
 // (Float64Storage, Float32Target, BFloat16Target, Float16Target); M: how the
-// parameter carries its rounding error. Everything is computed and selected
-// without branches so that the loops vectorize.
-template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+// parameter carries its rounding error; kTrack: whether the step also tallies
+// what rounding did to the update (UpdateTally). Everything is computed and
+// selected without branches so that the loops vectorize.
+template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack = false>
 struct AdamElement {
   using T = typename ComputeOf<PT>::type;
   using P = typename PT::storage;
   using S = typename ST::storage;
   using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
+  static constexpr bool kCarries = carries(M);
+  static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target> ||
+                    std::is_same_v<PT, Float16Target>,
+                "stochastic rounding is implemented for bfloat16 and float16 params");
 
-  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, P& p, P g,
-                         S& m, S& v, S& vmax, C& c) {
+  // index: the element's position in its tensor (the stochastic counter).
+  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
+                         P& p, P g, S& m, S& v, S& vmax, C& c, UpdateTally& tally) {
+    const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
     T pv;
     if constexpr (M == Compensation::kRemainder) {
       pv = join_bf16_remainder(p, c);
@@ -175,55 +239,119 @@ struct AdamElement {
     const T denom = tc_sqrt(vv) * t.inv_bc2_sqrt + k.eps;
     const T upd = (t.neg_step_size * ST::widen(m)) / denom;
 
+    // The intended update, in float64: upd minus lr * wd * w under
+    // decoupled decay (the product exact: 24 + 24 bits). The plain step
+    // scales the weight by a rounded 1 - lr * wd instead, whose rounding is
+    // then part of what the accounting sees; the compensated modes compute
+    // the same float32 u.
+    double intended = 0.0;
     if constexpr (M == Compensation::kNone) {
       p = PT::round(pv * k.decay + upd);
+      if constexpr (kTrack) {
+        const double lr_wd = static_cast<double>(blend(k.use_decay, k.lr_wd, T(0)));
+        intended = static_cast<double>(upd) - lr_wd * static_cast<double>(pv);
+      }
     } else {
       // Compensated, decoupled decay joins the update rather than scaling
       // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
       const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
       if constexpr (M == Compensation::kKahan) {
         kahan_update<PT>(pv, p, c, u);
-      } else {
+      } else if constexpr (M == Compensation::kRemainder) {
         split_bf16_remainder(pv + u, p, c);
+      } else {
+        const uint32_t bits = stochastic_bits(t.key, index);
+        if constexpr (std::is_same_v<PT, BFloat16Target>) {
+          p = bfloat16_bits_stochastic(pv + u, bits);
+        } else {
+          p = half_bits_stochastic(pv + u, bits);
+        }
       }
+      if constexpr (kTrack) intended = static_cast<double>(u);
+    }
+    if constexpr (kTrack) tally_element(p, p_old, intended, c, tally);
+  }
+
+  // The update accounting of one element: p and c after the step, p_old the
+  // stored param before it. Counted in float64, where the change of a
+  // narrow param and the intended update are exact (or correctly rounded,
+  // the same way in the reference).
+  TC_HD static void tally_element(P p, T p_old, double intended, C c, UpdateTally& tally) {
+    const T p_new = PT::widen(p);
+    const double change = static_cast<double>(p_new) - static_cast<double>(p_old);
+    const double a = intended < 0.0 ? -intended : intended;
+    const double d = change < 0.0 ? -change : change;
+    const int64_t updated = (intended != 0.0) & (intended - intended == 0.0);
+    tally.updated += updated;
+    tally.lost += updated & (change == 0.0);
+    tally.shrunk += updated & (2.0 * d < a);
+    if constexpr (kCarries) {
+      T carried;
+      if constexpr (M == Compensation::kKahan) {
+        carried = PT::widen(c);
+      } else {
+        carried = join_bf16_remainder(p, c) - p_new;  // exact: within an ulp of p_new
+      }
+      const T ulp = tc_abs(PT::widen(flip_last_bit(p)) - p_new);
+      // ulp is a power of two: the ratio and its scaling are exact. A
+      // non-finite param (ratio NaN, of either sign) counts 0. Clamped on
+      // the bits (units >= 0: bit order is value order), as integer ops.
+      const float units = (tc_abs(carried) / ulp) * kCompUnits;
+      const uint32_t bits = bit_cast<uint32_t>(units);
+      const uint32_t nan =
+          static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (bits & 0x7fffffffu)) >> 31);
+      const uint32_t cap = bit_cast<uint32_t>(kCompCap);
+      const uint32_t clamped = (bits < cap ? bits : cap) & ~nan;
+      tally.comp_sum += static_cast<int32_t>(bit_cast<float>(clamped));
+      tally.comp_max_bits = tally.comp_max_bits > clamped ? tally.comp_max_bits : clamped;
     }
   }
 
-  // step() on element j of the operand arrays, with its gradient g. vmax
-  // and c are read and written only where the step uses them.
-  TC_HD static void step_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j, P* p,
-                            P g, S* m, S* v, S* vmax, C* c) {
+  // step() on element j of the operand arrays (element `index` of the
+  // tensor), with its gradient g. vmax and c are read and written only where
+  // the step uses them.
+  TC_HD static void step_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
+                            int64_t index, P* p, P g, S* m, S* v, S* vmax, C* c,
+                            UpdateTally& tally) {
     P pj = p[j];
     S mj = m[j], vj = v[j], xj{};
     C cj{};
     if constexpr (kAmsgrad) xj = vmax[j];
-    if constexpr (M != Compensation::kNone) cj = c[j];
-    step(k, t, pj, g, mj, vj, xj, cj);
+    if constexpr (kCarries) cj = c[j];
+    step(k, t, index, pj, g, mj, vj, xj, cj, tally);
     p[j] = pj;
     m[j] = mj;
     v[j] = vj;
     if constexpr (kAmsgrad) vmax[j] = xj;
-    if constexpr (M != Compensation::kNone) c[j] = cj;
+    if constexpr (kCarries) c[j] = cj;
   }
 };
 
-// Calls f(PT{}, ST{}, mode, amsgrad) (mode and amsgrad as integral_constants)
-// with the storage formats and flags of one dtype group: the one list of
-// instantiations both backends compile. check_adam_args has rejected the
-// combinations not instantiated here.
+// Calls f(PT{}, ST{}, mode, amsgrad, track) (mode and the flags as
+// integral_constants) with the storage formats and flags of one dtype group:
+// the one list of instantiations both backends compile. check_adam_args has
+// rejected the combinations not instantiated here.
 template <typename F>
 void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compensation mode,
-                   bool amsgrad, F&& f) {
+                   bool amsgrad, bool track, F&& f) {
+  const auto tracked = [&](auto pt, auto st, auto m, auto ams) {
+    if (track) {
+      f(pt, st, m, ams, std::true_type{});
+    } else {
+      f(pt, st, m, ams, std::false_type{});
+    }
+  };
   const auto flags = [&](auto pt, auto st, auto m) {
     if (amsgrad) {
-      f(pt, st, m, std::true_type{});
+      tracked(pt, st, m, std::true_type{});
     } else {
-      f(pt, st, m, std::false_type{});
+      tracked(pt, st, m, std::false_type{});
     }
   };
   using None = std::integral_constant<Compensation, Compensation::kNone>;
   using Kahan = std::integral_constant<Compensation, Compensation::kKahan>;
   using Remainder = std::integral_constant<Compensation, Compensation::kRemainder>;
+  using Stochastic = std::integral_constant<Compensation, Compensation::kStochastic>;
   const auto modes = [&](auto pt, auto st) {
     using PT = decltype(pt);
     if constexpr (std::is_same_v<PT, Float64Storage>) {
@@ -233,6 +361,9 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
       if (mode == Compensation::kKahan) flags(pt, st, Kahan{});
       if constexpr (std::is_same_v<PT, BFloat16Target>) {
         if (mode == Compensation::kRemainder) flags(pt, st, Remainder{});
+      }
+      if constexpr (!std::is_same_v<PT, Float32Target>) {
+        if (mode == Compensation::kStochastic) flags(pt, st, Stochastic{});
       }
     }
   };
@@ -258,6 +389,7 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
 // copies run on the tensors' device (on the current stream for CUDA).
 struct TensorOperands {
   at::Tensor p, g, m, v, vmax, c;
+  at::Tensor stats;  // int64[kNumUpdateStats], added to in place (never staged), or undefined
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (original, staged)
 
   // grad_mutated: the pass writes the gradient too (the CUDA kernel unscales
@@ -275,7 +407,8 @@ T* operand_ptr(const at::Tensor& t) {
 }
 
 // The tensor lists of one adam_step_ call, one entry per param
-// (max_exp_avg_sqs only with amsgrad, compensations only when compensated).
+// (max_exp_avg_sqs only with amsgrad, compensations only in a mode that
+// carries() them).
 struct AdamTensors {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
       state_steps;
@@ -285,7 +418,8 @@ struct AdamTensors {
 // anything is written. Returns the parsed compensation mode.
 Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_view compensation,
                              const std::optional<at::Tensor>& grad_scale,
-                             const std::optional<at::Tensor>& found_inf);
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::TensorList>& update_stats);
 
 // lr (tensor overload), grad_scale and found_inf: on the CPU or the params'
 // device.
@@ -302,7 +436,8 @@ double increment_step(const at::Tensor& step);
 //  - unscale(grads, grad_scale): divides the grads by grad_scale now, or
 //    keeps it for the kernel (then kUnscalesInKernel: the pass writes the
 //    grads, so staged ones are written back);
-//  - run<PT, ST, M, kAmsgrad>(ops, h, steps): the step over staged operands.
+//  - run<PT, ST, M, kAmsgrad, kTrack>(ops, h, steps): the step over staged
+//    operands (kTrack: adding each param's UpdateTally to its ops[i].stats).
 template <typename Backend, typename Lr>
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
@@ -310,14 +445,15 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
                bool decoupled_weight_decay, std::string_view compensation,
                const std::optional<at::Tensor>& grad_scale,
-               const std::optional<at::Tensor>& found_inf) {
+               const std::optional<at::Tensor>& found_inf, int64_t seed,
+               std::optional<at::TensorList> update_stats) {
   if constexpr (!std::is_same_v<Lr, double>) {
     TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
     if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
   }
   const Compensation mode = check_adam_args(
       {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps},
-      amsgrad, compensation, grad_scale, found_inf);
+      amsgrad, compensation, grad_scale, found_inf, update_stats);
   if (params.empty()) return;
   Backend backend(params[0].device());
   // A GradScaler step with infs in the gradients changes nothing, step
@@ -326,7 +462,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   // passed.
   if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
   const AdamHyper h{backend.lr_of(lr), beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, mode};
+                    decoupled_weight_decay, mode, static_cast<uint64_t>(seed)};
   backend.unscale(grads, grad_scale);
 
   std::vector<double> steps;
@@ -337,13 +473,15 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     steps.push_back(increment_step(state_steps[i]));
     ops.emplace_back(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
                      amsgrad ? &max_exp_avg_sqs[i] : nullptr,
-                     mode != Compensation::kNone ? &compensations[i] : nullptr,
+                     carries(mode) ? &compensations[i] : nullptr,
                      /*grad_mutated=*/Backend::kUnscalesInKernel && grad_scale.has_value());
+    if (update_stats.has_value()) ops.back().stats = (*update_stats)[i];
   }
   dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,
-                [&](auto pt, auto st, auto m, auto ams) {
+                update_stats.has_value(), [&](auto pt, auto st, auto m, auto ams, auto track) {
                   backend.template run<decltype(pt), decltype(st), decltype(m)::value,
-                                       decltype(ams)::value>(ops, h, steps);
+                                       decltype(ams)::value, decltype(track)::value>(ops, h,
+                                                                                     steps);
                 });
   for (TensorOperands& o : ops) o.finish();
 }

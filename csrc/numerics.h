@@ -578,4 +578,86 @@ TC_HD float join_bf16_remainder(uint16_t hi, int16_t rem) {
                          static_cast<uint32_t>(static_cast<int32_t>(rem)));
 }
 
+
+// ---------------------------------------------------------------------------
+// Stochastic rounding (compensation="stochastic"): a float32 value rounded to
+// bfloat16 up or down at random, up with probability equal to the fraction of
+// an ulp it lies above the value below, so that the rounded result equals the
+// float32 value in expectation. The random bits are a counter-based hash of
+// (seed, tensor, step, element index): the same seed gives the same bits
+// whatever the thread count, the chunking or the device.
+
+// splitmix64's finalizer (Steele, Lea & Flood): keys from seed, tensor and step.
+TC_HD uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Wellons' "lowbias32" 32-bit mixer: 32-bit multiplies and shifts only, so
+// the CPU loop vectorizes it.
+TC_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one tensor at one step: two 32-bit halves of a 64-bit hash.
+struct StochasticKey {
+  uint32_t lo, hi;
+};
+
+TC_HD StochasticKey stochastic_key(uint64_t seed, uint64_t tensor, uint64_t step) {
+  const uint64_t z = splitmix64(splitmix64(splitmix64(seed) ^ tensor) ^ step);
+  return {static_cast<uint32_t>(z), static_cast<uint32_t>(z >> 32)};
+}
+
+// 32 random bits for element `index` of the tensor keyed by k: two rounds of
+// the mixer, the second keyed by the index's high half.
+TC_HD uint32_t stochastic_bits(StochasticKey k, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  return mix32(mix32(static_cast<uint32_t>(i) ^ k.lo) + (static_cast<uint32_t>(i >> 32) ^ k.hi));
+}
+
+// f rounded to bfloat16 with the random bits r: adding 16 random bits below
+// the bfloat16 mantissa carries into it with probability (low 16 bits of f) /
+// 2^16, exactly the fraction of an ulp f lies above its truncation (the
+// magnitude rounds, so both signs are unbiased, subnormals included). An
+// exact f is unchanged, inf stays inf, a value within an ulp of the largest
+// finite one becomes inf with that probability, and NaN becomes 0x7fc0 (as
+// bfloat16_bits_from_float).
+TC_HD uint16_t bfloat16_bits_stochastic(float f, uint32_t r) {
+  const uint32_t u = bit_cast<uint32_t>(f);
+  const uint32_t rounded = (u + (r >> 16)) >> 16;
+  const uint32_t nan = static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (u & 0x7fffffffu)) >> 31);
+  return static_cast<uint16_t>((nan & 0x7fc0u) | (~nan & rounded));
+}
+
+// f rounded to float16 with the random bits r. float16's dropped bits are
+// not at a fixed place (13 for normals, more for subnormals), so the
+// rounding is done in values: low, f's float16 neighbour toward zero (the
+// nearest one, stepped back in magnitude where it rounded away), spacing,
+// the distance to the next one away from zero, and up with probability
+// frac = (|f| - |low|) / spacing (exact: Sterbenz, and a power-of-two
+// spacing), against 24 random bits: exactly frac whenever frac has at most
+// 24 bits (every normal float16 result; a subnormal one is within 2^-24
+// of it). The spacing is taken from low's last bit flipped, so that it is
+// 32 at the largest finite value and a value past 65536 always rounds to
+// inf; inf and NaN stay as the nearest rounding leaves them (frac NaN).
+TC_HD uint16_t half_bits_stochastic(float f, uint32_t r) {
+  const float a = fabsf(f);
+  const uint16_t nearest = half_bits_from_float(f);
+  const uint16_t low = static_cast<uint16_t>(
+      nearest - (fabsf(float_from_half_bits(nearest)) > a ? 1u : 0u));
+  const float low_value = float_from_half_bits(low);
+  const float spacing = fabsf(float_from_half_bits(static_cast<uint16_t>(low ^ 1u)) - low_value);
+  const float frac = (a - fabsf(low_value)) / spacing;
+  const float threshold = static_cast<float>(r >> 8) * 5.9604644775390625e-8f;  // 2^-24
+  return static_cast<uint16_t>(low + (threshold < frac ? 1u : 0u));
+}
+
 }  // namespace torchcast

@@ -421,7 +421,7 @@ TORCH_LIBRARY(torchcast, m) {
   "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] compensations, Tensor(g!)[] state_steps, *, "    \
   LR ", float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, " \
   "bool decoupled_weight_decay, str compensation, Tensor? grad_scale=None, "                   \
-  "Tensor? found_inf=None) -> ()"
+  "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None) -> ()"
   m.def("adam_step_" TORCHCAST_ADAM_ARGS("float lr"));
   m.def("adam_step_.tensor_lr" TORCHCAST_ADAM_ARGS("Tensor lr"));
 #undef TORCHCAST_ADAM_ARGS

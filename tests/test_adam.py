@@ -31,8 +31,9 @@ COMBOS = [
     (torch.float32, torch.float32, "none"), (torch.float32, torch.float32, "kahan"),
     (torch.float64, torch.float64, "none"),
     *[(torch.bfloat16, s, m) for s in (torch.float32, torch.bfloat16)
-      for m in ("none", "kahan", "remainder")],
-    *[(torch.float16, s, m) for s in (torch.float32, torch.bfloat16) for m in ("none", "kahan")],
+      for m in ("none", "kahan", "remainder", "stochastic")],
+    *[(torch.float16, s, m) for s in (torch.float32, torch.bfloat16)
+      for m in ("none", "kahan", "stochastic")],
 ]
 COMBO_IDS = [f"{str(p)[6:]}-{str(s)[6:]}-{m}" for p, s, m in COMBOS]
 OPERAND_NAMES = ["param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation",
@@ -118,7 +119,8 @@ def test_kernel_matches_reference(device, combo, amsgrad, maximize, decoupled, w
         shape = [3]
     ops = make_operands(pdtype, sdtype, mode, amsgrad, tuple(shape), gen, layout, edge)
     kw = dict(lr=lr, beta1=beta1, beta2=0.999, weight_decay=wd, eps=1e-8, amsgrad=amsgrad,
-              maximize=maximize, decoupled_weight_decay=decoupled, compensation=mode)
+              maximize=maximize, decoupled_weight_decay=decoupled, compensation=mode,
+              seed=seed * 0x9E3779B97F4A7C15 % 2 ** 63)  # stochastic: the full seed range
     if scaled:
         kw.update(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
     for _ in range(3):  # several steps, each from the previous state
@@ -235,13 +237,14 @@ def test_kernel_found_inf_changes_nothing(device, shape):
 
 
 @pytest.mark.parametrize("bad", ["grad dtype", "state dtype", "shape", "count", "remainder",
-                                 "kahan64", "mode", "sparse"])
+                                 "stochastic", "kahan64", "mode", "sparse"])
 def test_kernel_rejects_bad_arguments_before_writing(bad):
     gen = torch.Generator().manual_seed(0)
-    mode = {"remainder": "remainder", "kahan64": "kahan", "mode": "bogus"}.get(bad, "kahan")
+    mode = {"remainder": "remainder", "stochastic": "stochastic", "kahan64": "kahan",
+            "mode": "bogus"}.get(bad, "kahan")
     pdtype = torch.float64 if bad == "kahan64" else torch.float32
-    ops = make_operands(pdtype, pdtype, "kahan" if mode != "remainder" else "none", False,
-                        (3, 2), gen)
+    ops = make_operands(pdtype, pdtype, "none" if mode in ("remainder", "stochastic") else "kahan",
+                        False, (3, 2), gen)
     ops = [lst * 2 for lst in ops]  # two tensors: the second one is bad
     ops[6] = [torch.tensor(0.0), torch.tensor(0.0)]
     if mode == "remainder":
@@ -272,13 +275,14 @@ def test_opcheck(device):
     gen = torch.Generator().manual_seed(0)
     for pdtype, sdtype, mode in [(torch.float32, torch.float32, "none"),
                                  (torch.bfloat16, torch.float32, "kahan"),
-                                 (torch.bfloat16, torch.bfloat16, "remainder")]:
+                                 (torch.bfloat16, torch.bfloat16, "remainder"),
+                                 (torch.bfloat16, torch.float32, "stochastic")]:
         ops = [lst * 2 for lst in make_operands(pdtype, sdtype, mode, True, (4, 5), gen)]
         ops = operands_on(ops, device)
         kw = dict(beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=True,
                   maximize=False, decoupled_weight_decay=True, compensation=mode,
                   grad_scale=torch.tensor(2.0, device=device),
-                  found_inf=torch.tensor(0.0, device=device))
+                  found_inf=torch.tensor(0.0, device=device), seed=2 ** 62 + 3)
         torch.library.opcheck(OPS.adam_step_.default, ops, dict(kw, lr=1e-3))
         torch.library.opcheck(OPS.adam_step_.tensor_lr, ops,
                               dict(kw, lr=torch.tensor(1e-3, device=device)))
@@ -559,10 +563,13 @@ def test_every_lr_scheduler_runs():
 MODES = [
     (torch.float32, {"compensated": False}), (torch.float32, {"compensated": True}),
     (torch.bfloat16, {}), (torch.bfloat16, {"compensation": "remainder"}),
+    # no seed given: each optimizer draws its own, and loading brings the saved one
+    (torch.bfloat16, {"compensation": "stochastic", "amsgrad": True}),
     (torch.bfloat16, {"state_dtype": torch.bfloat16, "amsgrad": True}),
     (torch.float16, {"amsgrad": True}),
 ]
-MODE_IDS = ["f32", "f32-kahan", "bf16-kahan", "bf16-remainder", "bf16-bf16states", "f16"]
+MODE_IDS = ["f32", "f32-kahan", "bf16-kahan", "bf16-remainder", "bf16-stochastic",
+            "bf16-bf16states", "f16"]
 
 
 def model_params(dtype, seed=0):
@@ -982,6 +989,12 @@ def test_configuration_errors():
     p16 = torch.nn.Parameter(torch.randn(3).half())
     with pytest.raises(ValueError, match="needs bfloat16 params"):
         Adam([p16], compensation="remainder")
+    with pytest.raises(ValueError, match="'stochastic' rounds updates into 16-bit"):
+        Adam([torch.nn.Parameter(torch.randn(3))], compensated=True, compensation="stochastic")
+    for seed, kind in ((-1, ValueError), (2 ** 63, ValueError), (1.5, TypeError),
+                       (True, TypeError)):
+        with pytest.raises(kind, match="seed must be"):
+            Adam([p16], seed=seed)
     with pytest.raises(ValueError, match="float64 needs none"):
         Adam([torch.nn.Parameter(torch.randn(3).double())], compensated=True)
     with pytest.raises(ValueError, match="compensation must be"):
@@ -992,7 +1005,7 @@ def test_configuration_errors():
         Adam([p16], capturable=True)
     # differentiable=True runs torch's own step: the torchcast options do not apply
     for kw in ({"compensated": True}, {"compensation": "remainder"},
-               {"state_dtype": torch.bfloat16}):
+               {"compensation": "stochastic"}, {"state_dtype": torch.bfloat16}):
         with pytest.raises(ValueError, match="differentiable=True.*" + next(iter(kw))):
             AdamW([p16], differentiable=True, **kw)
 

@@ -246,7 +246,7 @@ class _FallbackCast(torch.autograd.Function):
 # annotations tell torch.compile what changes.
 
 def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                        state_steps, lr, grad_scale, found_inf):
+                        state_steps, lr, grad_scale, found_inf, update_stats=None):
     """The device rules of csrc/adam_common.cpp: one device for the params and
     their grads and states, the step counts on the CPU, and lr, grad_scale
     and found_inf on the CPU or the params' device. Under fake tracing every
@@ -261,7 +261,8 @@ def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, c
                                f"is on {device}; one call steps one device")
         for what, tensors in (("grad", grads), ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
                               ("max_exp_avg_sq", max_exp_avg_sqs),
-                              ("compensation", compensations)):
+                              ("compensation", compensations),
+                              ("update_stats", update_stats or [])):
             if i < len(tensors) and tensors[i].device != p.device:
                 raise RuntimeError(f"torchcast.adam_step_: {what} {i} is on {tensors[i].device} "
                                    f"but its param is on {p.device}")
@@ -279,9 +280,10 @@ def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, c
 @torch.library.register_fake("torchcast::adam_step_")
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                     state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+                    decoupled_weight_decay, compensation, grad_scale=None, found_inf=None,
+                    seed=0, update_stats=None):
     _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                        state_steps, lr, grad_scale, found_inf)
+                        state_steps, lr, grad_scale, found_inf, update_stats)
     return None
 
 
@@ -289,9 +291,9 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compe
 def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                               compensations, state_steps, *, lr, beta1, beta2, weight_decay,
                               eps, amsgrad, maximize, decoupled_weight_decay, compensation,
-                              grad_scale=None, found_inf=None):
+                              grad_scale=None, found_inf=None, seed=0, update_stats=None):
     _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                        state_steps, lr, grad_scale, found_inf)
+                        state_steps, lr, grad_scale, found_inf, update_stats)
     return None
 
 

@@ -38,6 +38,7 @@ struct DeviceTensor {
   void* v;
   void* vmax;
   void* c;
+  int64_t* stats;  // update accounting (kTrack), else nullptr
   int64_t numel;
   int64_t first_chunk;  // chunks of the tensors before this one
   double bc1;           // 1 - beta1^step, for an lr known only on the device
@@ -53,13 +54,36 @@ struct DeviceScalars {
   bool decoupled;
 };
 
-template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+// Adds one thread's tally to the tensor's stats: summed over each warp by
+// shuffles, then one integer atomic per warp and field, so that the totals
+// do not depend on the order the warps arrive in.
+__device__ void add_tally(int64_t* stats, UpdateTally t) {
+  for (int off = 16; off > 0; off /= 2) {
+    UpdateTally o;
+    o.updated = __shfl_down_sync(0xffffffffu, t.updated, off);
+    o.lost = __shfl_down_sync(0xffffffffu, t.lost, off);
+    o.shrunk = __shfl_down_sync(0xffffffffu, t.shrunk, off);
+    o.comp_sum = __shfl_down_sync(0xffffffffu, t.comp_sum, off);
+    o.comp_max_bits = __shfl_down_sync(0xffffffffu, t.comp_max_bits, off);
+    t.merge(o);
+  }
+  if ((threadIdx.x & 31u) != 0) return;
+  auto* u = reinterpret_cast<unsigned long long*>(stats);
+  atomicAdd(u + kStatUpdated, static_cast<unsigned long long>(t.updated));
+  atomicAdd(u + kStatLost, static_cast<unsigned long long>(t.lost));
+  atomicAdd(u + kStatShrunk, static_cast<unsigned long long>(t.shrunk));
+  atomicAdd(u + kStatCompSum, static_cast<unsigned long long>(t.comp_sum));
+  atomicMax(reinterpret_cast<long long*>(stats) + kStatCompMax,
+            static_cast<long long>(t.comp_max()));
+}
+
+template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>
 __global__ void __launch_bounds__(kAdamThreads)
-    adam_kernel(const DeviceTensor<typename AdamElement<PT, ST, M, kAmsgrad>::T>* __restrict__
-                    tensors,
-                int ntensors, AdamConsts<typename AdamElement<PT, ST, M, kAmsgrad>::T> k,
+    adam_kernel(const DeviceTensor<typename AdamElement<PT, ST, M, kAmsgrad, kTrack>::T>*
+                    __restrict__ tensors,
+                int ntensors, AdamConsts<typename AdamElement<PT, ST, M, kAmsgrad, kTrack>::T> k,
                 DeviceScalars ds) {
-  using E = AdamElement<PT, ST, M, kAmsgrad>;
+  using E = AdamElement<PT, ST, M, kAmsgrad, kTrack>;
   using T = typename E::T;
   using P = typename PT::storage;
   using S = typename ST::storage;
@@ -95,21 +119,30 @@ __global__ void __launch_bounds__(kAdamThreads)
   const int64_t begin = (chunk - a.first_chunk) * kAdamChunk;
   const int64_t rest = a.numel - begin;
   const int64_t end = begin + (rest < kAdamChunk ? rest : kAdamChunk);
+  UpdateTally tally;
   for (int64_t j = begin + threadIdx.x; j < end; j += kAdamThreads) {
     P gj = g[j];
     if (ds.grad_scale != nullptr) {
       gj = PT::round(PT::widen(gj) * inv_scale);
       g[j] = gj;
     }
-    E::step_at(k, t, j, p, gj, m, v, vmax, c);
+    E::step_at(k, t, j, j, p, gj, m, v, vmax, c, tally);
+  }
+  if constexpr (kTrack) {
+    // Every thread of the block reaches this (no early return above).
+    add_tally(a.stats, tally);
+    if (threadIdx.x == 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(a.stats) + kStatElements,
+                static_cast<unsigned long long>(end - begin));
+    }
   }
 }
 
-template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>
 void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
                      const std::vector<double>& steps, const DeviceScalars& ds,
                      const at::Device& device) {
-  using T = typename AdamElement<PT, ST, M, kAmsgrad>::T;
+  using T = typename AdamElement<PT, ST, M, kAmsgrad, kTrack>::T;
   std::vector<DeviceTensor<T>> tensors;
   tensors.reserve(ops.size());
   int64_t nchunks = 0;
@@ -118,8 +151,9 @@ void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
     const int64_t numel = o.p.numel();
     if (numel == 0) continue;
     tensors.push_back({o.p.data_ptr(), o.g.data_ptr(), o.m.data_ptr(), o.v.data_ptr(),
-                       operand_ptr<void>(o.vmax), operand_ptr<void>(o.c), numel, nchunks,
-                       bias_correction1(h, steps[i]), adam_tensor_consts<T>(h, steps[i])});
+                       operand_ptr<void>(o.vmax), operand_ptr<void>(o.c),
+                       kTrack ? o.stats.data_ptr<int64_t>() : nullptr, numel, nchunks,
+                       bias_correction1(h, steps[i]), adam_tensor_consts<T>(h, steps[i], i)});
     nchunks += (numel + kAdamChunk - 1) / kAdamChunk;
   }
   if (tensors.empty()) return;
@@ -134,7 +168,7 @@ void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
   std::memcpy(host.data_ptr(), tensors.data(), static_cast<size_t>(bytes));
   const at::Tensor dev = host.to(device, /*non_blocking=*/true);
 
-  adam_kernel<PT, ST, M, kAmsgrad>
+  adam_kernel<PT, ST, M, kAmsgrad, kTrack>
       <<<static_cast<unsigned>(nchunks), kAdamThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           static_cast<const DeviceTensor<T>*>(dev.data_ptr()),
           static_cast<int>(tensors.size()), adam_consts<T>(h), ds);
@@ -171,13 +205,13 @@ class CudaAdam {
   void unscale(at::TensorList, const std::optional<at::Tensor>& grad_scale) {
     if (grad_scale.has_value()) scale_ = device_double(*grad_scale, device_);
   }
-  template <typename PT, typename ST, Compensation M, bool kAmsgrad>
+  template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>
   void run(const std::vector<TensorOperands>& ops, const AdamHyper& h,
            const std::vector<double>& steps) const {
     const DeviceScalars ds{lr_.defined() ? lr_.data_ptr<double>() : nullptr,
                            scale_.defined() ? scale_.data_ptr<double>() : nullptr,
                            h.weight_decay, h.decoupled};
-    adam_cuda_typed<PT, ST, M, kAmsgrad>(ops, h, steps, ds, device_);
+    adam_cuda_typed<PT, ST, M, kAmsgrad, kTrack>(ops, h, steps, ds, device_);
   }
 
  private:

@@ -42,11 +42,86 @@ def step_constants(compute, lr, beta1, beta2, weight_decay, eps, maximize, decou
         lr_wd=r(lr * weight_decay))
 
 
-def tensor_constants(compute, lr, beta1, beta2, step):
-    """AdamTensorConsts: what depends on the parameter's step count."""
+def tensor_constants(compute, lr, beta1, beta2, step, seed=0, tensor=0):
+    """AdamTensorConsts: what depends on the parameter's step count (and,
+    for stochastic rounding, its key from the seed and its position
+    ``tensor`` in the op's lists)."""
     r = _rounder(compute)
     return SimpleNamespace(neg_step_size=r(-(lr / (1.0 - beta1 ** step))),
-                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)))
+                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)),
+                           key=stochastic_key(seed, tensor, int(step)))
+
+
+# -- stochastic rounding (numerics.h), on Python ints and int64 tensors ----------
+
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+def splitmix64(z):
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def stochastic_key(seed, tensor, step):
+    """(lo, hi): the 32-bit halves of the key of one tensor at one step."""
+    z = splitmix64(splitmix64(splitmix64(seed & _M64) ^ tensor) ^ (step & _M64))
+    return z & _M32, z >> 32
+
+
+def _mul32(x, c):
+    """x * c mod 2^32 for an int64 tensor x of uint32 values, without int64
+    overflow (c split into 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def element_index(p):
+    """Each element's position in the order the kernel steps p: p's memory
+    order when p is dense (as empty_like preserves it), row-major otherwise
+    (the kernel steps a contiguous copy)."""
+    like = torch.empty_like(p, dtype=torch.int64, device="cpu")
+    return torch.arange(p.numel(), dtype=torch.int64).as_strided(like.shape, like.stride())
+
+
+def stochastic_bits(key, index):
+    """numerics.h stochastic_bits: 32 random bits per element index (int64)."""
+    lo, hi = key
+    return mix32((mix32((index & _M32) ^ lo) + ((index >> 32) ^ hi)) & _M32)
+
+
+def bfloat16_stochastic(x, r):
+    """numerics.h bfloat16_bits_stochastic: float32 x rounded to bfloat16 with
+    the random bits r (int64 tensor of uint32 values)."""
+    u = x.view(torch.int32).to(torch.int64) & _M32
+    rounded = (u + (r >> 16)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return _as_int16(torch.where(nan, 0x7FC0, rounded & 0xFFFF)).view(torch.bfloat16)
+
+
+def _half_of_bits(b):
+    return _as_int16(b & 0xFFFF).view(torch.float16).float()
+
+
+def float16_stochastic(x, r):
+    """numerics.h half_bits_stochastic: float32 x rounded to float16 with the
+    random bits r (NaN payloads as torch's cast leaves them)."""
+    a = x.abs()
+    nearest = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    low = nearest - (_half_of_bits(nearest).abs() > a).to(torch.int64)
+    low_value = _half_of_bits(low)
+    spacing = (_half_of_bits(low ^ 1) - low_value).abs()
+    frac = (a - low_value.abs()) / spacing
+    threshold = (r >> 8).to(torch.float32) * 2.0 ** -24
+    return _as_int16((low + (threshold < frac).to(torch.int64)) & 0xFFFF).view(torch.float16)
 
 
 def _sqrt(x):
@@ -89,7 +164,45 @@ def kahan_update(pv, p, c, u):
     c.copy_(settled(t, (t - p.to(pv.dtype)) + e))
 
 
-def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
+# -- update accounting (adam_common.h UpdateStat, UpdateTally) -------------------
+
+# The entries of one param's update_stats tensor (int64), in the kernel's order.
+UPDATE_STAT_FIELDS = ("elements", "updated", "lost", "shrunk", "comp_sum", "comp_max")
+COMP_UNITS = 2 ** 20  # comp_sum and comp_max count |compensation| / ulp in 2^-20 units
+_COMP_CAP = float(2 ** 30)  # units: a ratio past 1024 ulp is clamped
+
+
+def flip_last_bit(p):
+    """p with its last significand bit flipped: one ulp away from p."""
+    iview = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
+    return (p.contiguous().view(iview) ^ 1).view(p.dtype)
+
+
+def _tally(stats, p, p_old, intended, mode, c):
+    """AdamElement::tally_element over a tensor, added to stats: p and c after
+    the step, p_old the stored param before it, intended the float64 update."""
+    change = p.double() - p_old.double()
+    updated = (intended != 0) & (intended - intended == 0)
+    add = [p.numel(), int(updated.sum()), int((updated & (change == 0)).sum()),
+           int((updated & (2.0 * change.abs() < intended.abs())).sum()), 0]
+    q_max = 0
+    if mode in ("kahan", "remainder"):
+        p_new = p.float()
+        carried = c.float() if mode == "kahan" else join_bf16_remainder(p, c) - p_new
+        ulp = (flip_last_bit(p).float() - p_new).abs()
+        units = (carried.abs() / ulp) * float(COMP_UNITS)
+        capped = torch.where(units < _COMP_CAP, units,
+                             torch.where(units == units, _COMP_CAP, 0.0))
+        q = capped.to(torch.int64)
+        add[4] = int(q.sum())
+        q_max = int(q.max()) if q.numel() else 0
+    for i, value in enumerate(add):
+        stats[i] += value
+    stats[5] = max(int(stats[5]), q_max)
+
+
+def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
+    p_old = p.clone()
     pv = join_bf16_remainder(p, c) if mode == "remainder" else p.to(compute)
     gr = g.to(compute) * k.grad_sign
     if k.use_l2:
@@ -110,35 +223,47 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c):
     upd = (t.neg_step_size * m.to(compute)) / denom
     if mode == "none":
         p.copy_(pv * k.decay + upd)
+        if stats is not None:
+            intended = upd.double() - (k.lr_wd if k.use_decay else 0.0) * pv.double()
+            _tally(stats, p, p_old, intended, mode, c)
         return
     u = upd - k.lr_wd * pv if k.use_decay else upd
     if mode == "kahan":
         kahan_update(pv, p, c, u)
+    elif mode == "stochastic":
+        bits = stochastic_bits(t.key, element_index(p)).to(p.device)
+        rounded = bfloat16_stochastic if p.dtype == torch.bfloat16 else float16_stochastic
+        p.copy_(rounded(pv + u, bits))
     else:
         hi, lo = split_bf16_remainder(pv + u)
         p.copy_(hi)
         c.copy_(lo)
+    if stats is not None:
+        _tally(stats, p, p_old, u.double(), mode, c)
 
 
 _NARROW = (torch.bfloat16, torch.float16)
 
 
 def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, amsgrad, compensation):
+               state_steps, amsgrad, compensation, update_stats=None):
     """The argument checks of csrc/adam_common.cpp (check_adam_args), with its
     exception types and messages."""
     def fail(kind, message):
         raise kind(f"torchcast.adam_step_: {message}")
 
-    if compensation not in ("none", "kahan", "remainder"):
-        fail(ValueError, "compensation must be 'none', 'kahan' or 'remainder', got "
-                         f"'{compensation}'")
+    if compensation not in ("none", "kahan", "remainder", "stochastic"):
+        fail(ValueError, "compensation must be 'none', 'kahan', 'remainder' or 'stochastic', "
+                         f"got '{compensation}'")
+    carries = compensation in ("kahan", "remainder")
     n = len(params)
     for lst, want, what in ((grads, n, "grads"), (exp_avgs, n, "exp_avgs"),
                             (exp_avg_sqs, n, "exp_avg_sqs"),
                             (max_exp_avg_sqs, n if amsgrad else 0, "max_exp_avg_sqs"),
-                            (compensations, 0 if compensation == "none" else n, "compensations"),
-                            (state_steps, n, "state_steps")):
+                            (compensations, n if carries else 0, "compensations"),
+                            (state_steps, n, "state_steps"),
+                            *([(update_stats, n, "update_stats")] if update_stats is not None
+                              else [])):
         if len(lst) != want:
             fail(ValueError, f"{want} {what} expected (one per param"
                              f"{', none here' if want == 0 else ''}), got {len(lst)}")
@@ -150,6 +275,9 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     if compensation == "remainder" and pt != torch.bfloat16:
         fail(TypeError, "compensation='remainder' stores float32 master weights as bfloat16 + "
                         f"int16 and needs bfloat16 params, got {pt}; use compensation='kahan'")
+    if compensation == "stochastic" and pt not in _NARROW:
+        fail(TypeError, "compensation='stochastic' rounds updates into 16-bit params and needs "
+                        f"bfloat16 or float16 params, got {pt}; use compensation='kahan'")
     if compensation == "kahan" and pt == torch.float64:
         fail(TypeError, "compensation is for float32, bfloat16 and float16 params, got "
                         "torch.float64")
@@ -189,11 +317,22 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
             if t.dtype != st:
                 fail(TypeError, f"{what} {i} is {t.dtype} but exp_avg 0 is {st}")
             same_shape(p, t, what, i)
-        if compensation != "none":
+        if carries:
             if compensations[i].dtype != comp_dtype:
                 fail(TypeError, f"compensation {i} is {compensations[i].dtype} but must be "
                                 f"{comp_dtype}")
             same_shape(p, compensations[i], "compensation", i)
+        if update_stats is not None:
+            u = update_stats[i]
+            if u.dtype != torch.int64:
+                fail(TypeError, f"update_stats {i} is {u.dtype} but must be torch.int64")
+            if not (u.layout == torch.strided and u.dim() == 1
+                    and u.shape[0] == len(UPDATE_STAT_FIELDS) and u.is_contiguous()):
+                fail(ValueError, f"update_stats {i} must be a contiguous int64 tensor of "
+                                 f"{len(UPDATE_STAT_FIELDS)} elements, got shape {list(u.shape)}")
+            if u.device != p.device:
+                fail(RuntimeError, f"update_stats {i} is on {u.device} but its param is on "
+                                   f"{p.device}")
         step = state_steps[i]
         if not (step.numel() == 1 and step.dtype in (torch.float32, torch.float64)):
             fail(ValueError, f"state_step {i} must be a one-element float32 or float64 tensor, "
@@ -205,10 +344,12 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None):
+               decoupled_weight_decay, compensation, grad_scale=None, found_inf=None, seed=0,
+               update_stats=None):
     """torch.ops.torchcast.adam_step_ in pure PyTorch."""
     check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, amsgrad, compensation)
+               state_steps, amsgrad, compensation, update_stats)
+    carries = compensation in ("kahan", "remainder")
     if not params:
         return
     if found_inf is not None and found_inf.item() != 0:
@@ -224,7 +365,8 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     for i, p in enumerate(params):
         step = state_steps[i]
         step.add_(1)
-        t = tensor_constants(compute, lr, beta1, beta2, step.item())
+        t = tensor_constants(compute, lr, beta1, beta2, step.item(), seed, i)
         _step_tensor(k, t, compute, compensation, amsgrad, p, grads[i], exp_avgs[i],
                      exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None,
-                     compensations[i] if compensation != "none" else None)
+                     compensations[i] if carries else None,
+                     None if update_stats is None else update_stats[i])

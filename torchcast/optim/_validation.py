@@ -70,7 +70,8 @@ def fused_devices():
 # -- hyperparameters --------------------------------------------------------------
 
 def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, capturable,
-                    differentiable, compensated, compensation, state_dtype) -> None:
+                    differentiable, compensated, compensation, state_dtype, seed,
+                    track_updates) -> None:
     """The constructor's arguments, in torch.optim.Adam's order and with its
     messages where it has them."""
     check_hyperparameter_types(f"torchcast.optim.{name}", lr, betas, eps, weight_decay)
@@ -85,6 +86,26 @@ def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, captu
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if differentiable:
         check_differentiable_options(name, compensated, compensation, state_dtype)
+    if seed is not None:
+        try:
+            check_seed(seed)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"torchcast.optim.{name}: {e}") from None
+    if not isinstance(track_updates, bool):
+        raise TypeError(f"torchcast.optim.{name}: track_updates must be a bool, got "
+                        f"{what(track_updates)}")
+    if track_updates and differentiable:
+        raise ValueError(f"torchcast.optim.{name}: differentiable=True runs torch's own Adam "
+                         "step, which does not count lost updates; track_updates=True "
+                         "cannot be used with it")
+
+
+def check_seed(seed) -> None:
+    """The stochastic-rounding seed: an int in [0, 2^63), the op's int64."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int in [0, 2**63), got {what(seed)}")
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
 
 
 def check_number(key, value, below_one=False) -> None:
@@ -181,6 +202,7 @@ def check_group(name, group, gi) -> None:
         check_number("betas[1]", betas[1], below_one=True)
         check_number("eps", group["eps"])
         check_number("weight_decay", group["weight_decay"])
+        check_seed(group.get("seed", 0))
     except (TypeError, ValueError) as e:
         raise type(e)(f"torchcast.optim.{name}: param group {gi}: {e}; "
                       "nothing was updated") from None
@@ -190,7 +212,8 @@ def check_group(name, group, gi) -> None:
 
 def check_param(name, group, gi, i, p, mode) -> None:
     """Param i of group gi fits the group's options; ``mode`` is the
-    compensation the optimizer gives it ("none", "kahan" or "remainder")."""
+    compensation the optimizer gives it ("none", "kahan", "remainder" or
+    "stochastic")."""
     where = describe(gi, i, p)
     if group["differentiable"]:
         try:
@@ -201,9 +224,9 @@ def check_param(name, group, gi, i, p, mode) -> None:
     if not (p.is_floating_point() or p.is_complex()):
         raise TypeError(f"torchcast.optim.{name}: {where} is not floating point; "
                         "only floating-point params can be optimized")
-    if group["compensation"] not in ("kahan", "remainder"):
-        raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan' or "
-                         f"'remainder', got {group['compensation']!r}")
+    if group["compensation"] not in ("kahan", "remainder", "stochastic"):
+        raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan', "
+                         f"'remainder' or 'stochastic', got {group['compensation']!r}")
     if group["state_dtype"] not in _STATE_DTYPES:
         raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype must be None, "
                          f"torch.float32 or torch.bfloat16, got {group['state_dtype']}")
@@ -216,6 +239,11 @@ def check_param(name, group, gi, i, p, mode) -> None:
         raise ValueError(
             f"torchcast.optim.{name}: {where}: compensation='remainder' holds float32 "
             "master weights as bfloat16 + int16 and needs bfloat16 params; use "
+            "compensation='kahan' for this one (e.g. in its own param group)")
+    if mode == "stochastic" and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"torchcast.optim.{name}: {where}: compensation='stochastic' rounds updates "
+            "into 16-bit params and needs bfloat16 or float16 params; use "
             "compensation='kahan' for this one (e.g. in its own param group)")
     # complex32 is the one complex dtype of a narrow (float16) real part.
     if p.dtype == torch.complex32 and group["state_dtype"] == torch.bfloat16:

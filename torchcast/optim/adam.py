@@ -11,7 +11,8 @@ from torch.optim.optimizer import ParamsT
 
 from .. import _ops
 from .._reference import adam as adam_reference
-from . import _validation
+from . import _update_stats, _validation
+from ._update_stats import UpdateStats
 from ._validation import is_dtensor, real_dtype
 
 __all__ = ["Adam", "AdamW"]
@@ -20,14 +21,18 @@ _NARROW = (torch.bfloat16, torch.float16)
 _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
                torch.float64: torch.complex128}
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads")
+# The state key of the compensation a mode carries (the op's compensations).
+_CARRIES = {"kahan": "compensation", "remainder": "remainder"}
+_OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads", "seed",
+                   "track_updates")
 _OWN_STATE_KEYS = ("compensation", "remainder")
 _KNOWN_STATE_KEYS = ("step",) + _MOMENTS + _OWN_STATE_KEYS
 # The state keys of a param, by (compensation mode, amsgrad).
 _STATE_KEYS = {
     (mode, ams): ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
-    + {"none": (), "kahan": ("compensation",), "remainder": ("remainder",)}[mode]
-    for mode in ("none", "kahan", "remainder") for ams in (False, True)
+    + {"none": (), "kahan": ("compensation",), "remainder": ("remainder",),
+       "stochastic": ()}[mode]
+    for mode in ("none", "kahan", "remainder", "stochastic") for ams in (False, True)
 }
 
 
@@ -53,6 +58,7 @@ class _Batch:
     max_exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
     compensations: List[torch.Tensor] = dataclasses.field(default_factory=list)
     state_steps: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    update_stats: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class _Loaded:
@@ -105,11 +111,26 @@ class Adam(Optimizer):
             True also float32 (where updates fall below half an ulp of the
             weights), and rejects float64 params, which need none; False
             never (default: None).
+        seed (int, optional): the seed of ``compensation="stochastic"``, in
+            [0, 2^63): the random bits of element j of a param at step s are
+            a hash of (seed, param group, param, s, j), so the same seed
+            gives the same bits whatever the thread count or device, and a
+            state dict (which keeps the seed in its param groups) continues
+            bit for bit. None draws one from torch's default generator
+            (``torch.manual_seed`` governs it) (default: None).
+        track_updates (bool, optional): whether the step also counts, per
+            param and in the same pass, the updates that rounding lost or
+            shrank and the compensation carried, into a small int64 tensor
+            on the param's device, read by ``update_stats()`` (no host sync
+            per step; docs/adam.md, "Update accounting") (default: False).
         compensation (str, optional): "kahan" keeps a buffer of the param's
             dtype with what the last rounding lost; "remainder" (bfloat16
             params only) keeps the low 16 bits of a float32 master weight as
             int16, so that param + remainder is the float32 master bit for
-            bit, at the same 2 bytes per parameter (default: "kahan").
+            bit, at the same 2 bytes per parameter; "stochastic" (bfloat16
+            and float16 params) keeps nothing and rounds each updated weight
+            to the param's dtype up or down at random, unbiased, from ``seed``
+            (default: "kahan").
         state_dtype (torch.dtype, optional): the dtype of ``exp_avg`` and
             ``exp_avg_sq`` (and ``max_exp_avg_sq``) of bfloat16 and float16
             params: torch.float32 or torch.bfloat16; None means float32.
@@ -161,7 +182,8 @@ class Adam(Optimizer):
                      0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
-                 compensation: str = "kahan", state_dtype: Optional[torch.dtype] = None,
+                 compensation: str = "kahan", seed: Optional[int] = None,
+                 track_updates: bool = False, state_dtype: Optional[torch.dtype] = None,
                  cast_grads: bool = False, decoupled_weight_decay: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
@@ -171,11 +193,16 @@ class Adam(Optimizer):
         _validation.check_arguments(
             name, lr, betas, eps, weight_decay, foreach=foreach, fused=fused,
             capturable=capturable, differentiable=differentiable, compensated=compensated,
-            compensation=compensation, state_dtype=state_dtype)
+            compensation=compensation, state_dtype=state_dtype, seed=seed,
+            track_updates=track_updates)
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
         self._valid_configs = set()  # (options, dtype) already checked by _check_param
+        self._update_counters = {}  # param -> int64 counter (track_updates), made at its step
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, compensated=compensated,
-                        compensation=compensation, state_dtype=state_dtype,
+                        compensation=compensation, seed=seed, track_updates=track_updates,
+                        state_dtype=state_dtype,
                         cast_grads=cast_grads, decoupled_weight_decay=decoupled_weight_decay,
                         foreach=foreach, fused=fused, capturable=False,
                         differentiable=bool(differentiable))
@@ -211,6 +238,7 @@ class Adam(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_valid_configs", set())
+        self.__dict__.setdefault("_update_counters", {})
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -360,11 +388,12 @@ class Adam(Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for group, items in self._checked_work():
+        for gi, (group, items) in enumerate(self._checked_work()):
             if group["differentiable"]:
                 self._torch_step(group, items, grad_scale, found_inf)
                 continue
             amsgrad = bool(group["amsgrad"])
+            track = bool(group["track_updates"])
             batches = {}  # (device, dtype, state dtype, mode) -> _Batch
             for p, g in items:
                 plain = not (p.is_complex() or is_dtensor(p))
@@ -374,8 +403,8 @@ class Adam(Optimizer):
                 tensors = [g, state["exp_avg"], state["exp_avg_sq"]]
                 if amsgrad:
                     tensors.append(state["max_exp_avg_sq"])
-                if mode != "none":
-                    tensors.append(state["compensation" if mode == "kahan" else "remainder"])
+                if mode in _CARRIES:
+                    tensors.append(state[_CARRIES[mode]])
                 if not plain:
                     tensors = [_local(t) for t in tensors]
                 key = (local.device, local.dtype, tensors[1].dtype, mode)
@@ -388,11 +417,17 @@ class Adam(Optimizer):
                 b.exp_avg_sqs.append(tensors[2])
                 if amsgrad:
                     b.max_exp_avg_sqs.append(tensors[3])
-                if mode != "none":
+                if mode in _CARRIES:
                     b.compensations.append(tensors[-1])
                 b.state_steps.append(state["step"])
-            for (device, _, _, mode), batch in batches.items():
-                self._launch(group, device, mode, batch, grad_scale, found_inf)
+                if track:
+                    counter = self._update_counters.get(p)
+                    if counter is None or counter.device != local.device:
+                        counter = self._update_counters[p] = _update_stats.new_counter(local)
+                    b.update_stats.append(counter)
+            for bi, ((device, _, _, mode), batch) in enumerate(batches.items()):
+                seed = _stream_seed(group["seed"], gi, bi) if mode == "stochastic" else 0
+                self._launch(group, device, mode, batch, grad_scale, found_inf, seed)
         return loss
 
     def _torch_step(self, group, items, grad_scale, found_inf):
@@ -418,7 +453,7 @@ class Adam(Optimizer):
                    weight_decay=group["weight_decay"], eps=group["eps"],
                    maximize=bool(group["maximize"]))
 
-    def _launch(self, group, device, mode, batch, grad_scale, found_inf):
+    def _launch(self, group, device, mode, batch, grad_scale, found_inf, seed):
         beta1, beta2 = group["betas"]
         _ops.adam_step_(
             batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
@@ -428,7 +463,28 @@ class Adam(Optimizer):
             amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
-            found_inf=None if found_inf is None else found_inf.to(device))
+            found_inf=None if found_inf is None else found_inf.to(device), seed=seed,
+            update_stats=batch.update_stats if group["track_updates"] else None)
+
+    def update_stats(self, reset: bool = False) -> UpdateStats:
+        """What rounding did to the updates of the params stepped with
+        ``track_updates=True``, summed since their first tracked step (or
+        the last reset): per param and per param group, the fraction of
+        element-steps whose update was rounded away entirely (``lost``) or
+        shrunk below half (``shrunk``), and for the compensated modes the
+        compensation carried, in ulps of the param. Reading synchronizes
+        with the device once (one transfer per device); the steps never do.
+
+        Args:
+            reset (bool, optional): zero the counts after reading them
+                (default: False).
+
+        Returns:
+            UpdateStats: ``params`` (one UpdateRecord per tracked param that
+            has stepped) and ``groups`` (one total per param group);
+            ``str()`` of it is a table.
+        """
+        return _update_stats.collect(self.param_groups, self._update_counters, reset)
 
     # -- state ----------------------------------------------------------------
 
@@ -587,7 +643,7 @@ class AdamW(Adam):
 
     Args:
         params, lr, betas, eps, amsgrad, maximize, compensated, compensation,
-        state_dtype, cast_grads, foreach, fused, capturable, differentiable:
+        seed, track_updates, state_dtype, cast_grads, foreach, fused, capturable, differentiable:
             as ``torchcast.optim.Adam``.
         weight_decay (float, optional): weight decay coefficient: each step
             decays the param by ``lr * weight_decay``, inside the compensated
@@ -602,12 +658,14 @@ class AdamW(Adam):
                      0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
-                 compensation: str = "kahan", state_dtype: Optional[torch.dtype] = None,
+                 compensation: str = "kahan", seed: Optional[int] = None,
+                 track_updates: bool = False, state_dtype: Optional[torch.dtype] = None,
                  cast_grads: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         compensated=compensated, compensation=compensation,
+                         compensated=compensated, compensation=compensation, seed=seed,
+                         track_updates=track_updates,
                          state_dtype=state_dtype, cast_grads=cast_grads,
                          decoupled_weight_decay=True, foreach=foreach, fused=fused,
                          capturable=capturable, differentiable=differentiable)
@@ -618,6 +676,14 @@ class AdamW(Adam):
         super().__setstate__(state)
         for group in self.param_groups:
             group["decoupled_weight_decay"] = True
+
+
+def _stream_seed(seed, gi, bi):
+    """The op's seed for batch bi of param group gi: the group's seed mixed
+    with both, so that groups sharing a seed draw independent bits (the op
+    mixes in each param's position and step count), as a signed int64."""
+    z = adam_reference.splitmix64(adam_reference.splitmix64(seed) ^ ((gi << 32) | bi))
+    return z - 2 ** 64 if z >= 2 ** 63 else z
 
 
 def _like(p, value, dtype):
