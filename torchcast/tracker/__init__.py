@@ -41,6 +41,7 @@ from . import nonfinite, ranks
 from .nonfinite import NonFiniteWatch, check_action
 from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
 from .regions import RegionWatch
+from .updates import UpdateWatch
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
 from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,
@@ -62,6 +63,7 @@ class _Recording:
         self.health = None  # the module health of track(health=True)
         self.regions = None  # the compiled regions that run in the block (regions.py)
         self.ranks = None  # the collectives the non-finite watch follows (ranks.py)
+        self.updates = UpdateWatch()  # the optimizers that count their updates (updates.py)
 
     def _in_worker(self):
         spool = self.spool
@@ -259,6 +261,7 @@ class track:
         if self.health:
             recording.health = recording.report.health_watch = HealthWatch()
             recording.health.start()
+        recording.updates.start()
         recording.regions = RegionWatch(self.all_casts, self.nonfinite_action is not None,
                                         self.health, compiled.instrumenting())
         if self.all_casts or self.nonfinite_action is not None:
@@ -274,6 +277,7 @@ class track:
         deferred = None  # policy "raise" of a cast under torch.inference_mode
         try:
             recording.report.compiled_regions = recording.regions.stop()
+            recording.report.updates = recording.updates.stop()
             if recording.health is not None:
                 recording.health.stop()
             if recording.watch is not None:

@@ -26,6 +26,7 @@ from .html_parts import (counted, ellipsize, esc, html_table, module_tail, numbe
                          titled)
 from .nonfinite_origin import reach_rank
 from .sites import short_path
+from .updates import ADVICE, LOST_NOTABLE, notable, row_label
 
 # Cast rows shown before the table folds the rest below it (counted): a
 # GPT-2's hundreds of casts must not bury what leads.
@@ -261,6 +262,24 @@ def _regions(data: Dict[str, Any]) -> str:
             f"<ul>{rows}</ul>")
 
 
+def _updates(data: Dict[str, Any]) -> str:
+    rows = data.get("updates")
+    if not rows:
+        return ""
+    shown = [r for r in rows if r["index"] is None] + notable(rows)
+    cells = [[esc(row_label(r)), esc(r["elements"]), esc(r["updated"]),
+              f"{r['lost_fraction']:.2%}", f"{r['shrunk_fraction']:.2%}",
+              esc(number(r["comp_mean_ulp"])), esc(number(r["comp_max_ulp"]))] for r in shown]
+    advice = (f"<p>Over {LOST_NOTABLE:.0%} of a parameter's updates lost: "
+              f"{esc(ADVICE)}.</p>" if notable(rows) else "")
+    return ("<h2>Optimizer updates</h2><p>Per param group, and the parameters with over "
+            f"{LOST_NOTABLE:.0%} lost (track_updates=True): lost, the stored parameter did "
+            "not change; &lt;half, it changed by less than half the update; compensation "
+            "in ulps of the parameter.</p>"
+            + html_table(["where", "element-steps", "updated", "lost", "&lt;half",
+                          "comp mean (ulp)", "comp max (ulp)"], cells) + advice)
+
+
 def render_html(data: Dict[str, Any]) -> str:
     """The page for a report.
 
@@ -278,6 +297,9 @@ def render_html(data: Dict[str, Any]) -> str:
         summary.append(f"{counted(len(origins), 'op')} made NaN/inf from finite inputs")
     if data.get("health"):
         summary.append(f"{len(data['health'])} module outputs and gradients measured")
+    if data.get("updates"):
+        summary.append(f"{counted(len(notable(data['updates'])), 'parameter')} with over "
+                       f"{LOST_NOTABLE:.0%} of its updates lost")
     if data.get("compiled_regions"):
         summary.append(f"{len(data['compiled_regions'])} compiled regions not fully watched "
                        "(listed at the end)")
@@ -292,5 +314,6 @@ def render_html(data: Dict[str, Any]) -> str:
             + (f'<section id="origins">{origins_html}</section>' if origins_html else "")
             + _casts(data) + health_section(data, _origin_module(data))
             + headroom_section(data)
+            + (f'<section id="updates">{_updates(data)}</section>' if data.get("updates") else "")
             + (f'<section id="regions">{regions}</section>' if regions else "")
             + "</body></html>")

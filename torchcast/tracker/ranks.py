@@ -413,6 +413,7 @@ def combine(payloads: List[Dict[str, Any]]) -> Any:
     merged = Report.from_dict(dict(first, records=[], nonfinite=[], health=[]))
     merged.nonfinite_watch = merged.health_watch = None
     merged.compiled_regions = []
+    merged.updates = []
     origins, propagated, rows, watched = [], 0, [], False
     health = False
     for p in payloads:
@@ -432,6 +433,8 @@ def combine(payloads: List[Dict[str, Any]]) -> Any:
             rows += [dict(d, module=_label(d["module"], rank)) for d in data["health"]]
         merged.compiled_regions += [CompiledRegion.from_dict(d)
                                     for d in data.get("compiled_regions", ())]
+        merged.updates += [dict(d, name=_label(d["name"] or "", rank).rstrip())
+                           for d in data.get("updates", ())]
     sent = {p["rank"]: set(p.get("sent", ())) for p in payloads}
     for o in origins:
         if o.arrived_through is not None and o.from_ranks is None and o.collective:

@@ -171,6 +171,9 @@ class Report:
         # torch.compile'd regions that ran in the block with something this
         # track could not watch inside them (regions.py).
         self.compiled_regions: List[CompiledRegion] = []
+        # What rounding did to the updates of the torchcast optimizers that
+        # stepped in the block with track_updates=True (updates.py): rows.
+        self.updates: List[Dict[str, Any]] = []
         self._sites = {}
         self._lock = threading.Lock()
 

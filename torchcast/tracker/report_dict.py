@@ -78,6 +78,8 @@ def report_to_dict(report: Any) -> Dict[str, Any]:
         data["propagated"] = report.propagated
     if report.compiled_regions:
         data["compiled_regions"] = [r.to_dict() for r in report.compiled_regions]
+    if report.updates:
+        data["updates"] = [dict(r) for r in report.updates]
     if report.health_watch is not None:
         # On the host once: each row is read for 8 headroom entries.
         rows = [dataclasses.replace(r, health=r.health.cpu()) for r in report.health]
@@ -106,6 +108,9 @@ def report_from_dict(cls: type, data: Dict[str, Any]) -> Any:
             watch.origins[origin.key] = origin
     report.compiled_regions = [CompiledRegion.from_dict(d)
                                for d in data.get("compiled_regions", ())]
+    report.updates = [dict(d, **{k: float_from_json(d[k], f"an update row's {k}")
+                                 for k in ("comp_mean_ulp", "comp_max_ulp")})
+                      for d in data.get("updates", ())]
     if "health" in data:
         rows = [dict(d, **{k: float_from_json(d[k], f"a health row's {k}")
                            for k in ("amax", "min_nonzero")}) for d in data["health"]]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, List, Optional
 from ..stats import short_dtype_name
 from .health import health_lines
 from .nonfinite_origin import reach_rank
+from .updates import update_lines
 
 if TYPE_CHECKING:  # report.py imports this module
     from .report import Record, Report
@@ -33,7 +34,7 @@ def render_table(report: "Report", limit: Optional[int] = None) -> str:
     if not records:  # a track that only watches says nothing of casts
         only_watching = lines or report.health_watch is not None
         return "\n".join((lines if only_watching else [head]) + _health_lines(report)
-                         + _region_lines(report))
+                         + update_lines(report.updates) + _region_lines(report))
     rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
              "violations", "notes")]
     for r in shown:
@@ -63,7 +64,8 @@ def render_table(report: "Report", limit: Optional[int] = None) -> str:
         lines.append(f"... {len(records) - len(shown)} more sites")
     for up, back in report.undone_upcasts():
         lines.append(f"{up.site}: {undone_upcast_message(up)}")
-    return "\n".join(lines + _health_lines(report) + _region_lines(report))
+    return "\n".join(lines + _health_lines(report) + update_lines(report.updates)
+                     + _region_lines(report))
 
 
 def undone_upcast_message(up: "Record") -> str:

@@ -148,6 +148,13 @@ def write_tensorboard(data: Dict[str, Any], writer: Any, step: int,
             writer.add_scalar(f"{base}/amax_scale/log2_scale", _log2(scaled["scale"]), step)
             for k in ("overflow", "underflow", "subnormal"):
                 writer.add_scalar(f"{base}/amax_scale/{k}", _float(scaled[k]), step)
+    updates = data.get("updates", [])
+    bases = _unique([(_tag(prefix, "updates", f"optimizer{u['optimizer']}", f"group{u['group']}",
+                           *(() if u["index"] is None else (u["name"] or f"param{u['index']}",))),
+                      (u["optimizer"], u["group"], u["index"])) for u in updates])
+    for u, base in zip(updates, bases):
+        for k in ("lost_fraction", "shrunk_fraction", "comp_mean_ulp", "comp_max_ulp"):
+            writer.add_scalar(f"{base}/{k}", _float(u[k]), step)
 
 
 def _log2(scale: Any) -> float:
