@@ -242,6 +242,18 @@ PyObject* all_finite(PyObject*, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* all_finite_amax(PyObject*, PyObject* tensor) {
+  if (!THPVariable_Check(tensor)) {
+    PyErr_SetString(PyExc_TypeError, "all_finite_amax: expected a tensor");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  double amax = 0;
+  if (!torchcast::all_finite_amax(THPVariable_Unpack(tensor), amax)) Py_RETURN_NONE;
+  return PyFloat_FromDouble(amax);
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* start_nonfinite_watch(PyObject*, PyObject* args) {
   PyObject* callback = nullptr;
   PyObject* skip = nullptr;
@@ -348,6 +360,9 @@ PyMethodDef methods[] = {
      "transform."},
     {"all_finite", all_finite, METH_O,
      "Whether every element of a CPU tensor is finite (csrc/cpu/all_finite.cpp)."},
+    {"all_finite_amax", all_finite_amax, METH_O,
+     "A CPU tensor's largest |x|, read in one pass, or None when an element is NaN/inf "
+     "(csrc/cpu/all_finite.cpp)."},
     {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,
      "Checks this thread's CPU ops for NaN/inf made from finite inputs, calling "
      "callback(op, overload, outputs, inputs, before) at each (csrc/cpu/nonfinite_watch.cpp)."},

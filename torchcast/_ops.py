@@ -2,6 +2,7 @@
 kernels (or, in a build without them, the ops defined from Python) and
 registers fake kernels, autograd and the fallback."""
 import warnings
+from typing import Optional
 
 import torch
 
@@ -67,6 +68,18 @@ def torch_all_finite(t: torch.Tensor) -> bool:
 # all_finite(t): whether every element of a CPU tensor is finite, read in C++
 # (csrc/cpu/all_finite.cpp): track(nonfinite=...) checks every op's output.
 all_finite = _C.all_finite if WITH_EXTENSION else torch_all_finite
+
+
+def _torch_all_finite_amax(t: torch.Tensor) -> Optional[float]:
+    r = readable(t)
+    if not bool(torch.isfinite(r).all()):
+        return None
+    return float(r.abs().amax()) if r.numel() else 0.0
+
+
+# all_finite_amax(t): a CPU tensor's largest |x| (0.0 when empty), or None when
+# an element is NaN/inf; one read in C++ (csrc/cpu/all_finite.cpp).
+all_finite_amax = _C.all_finite_amax if WITH_EXTENSION else _torch_all_finite_amax
 # The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
 # start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),
 # take_propagated(), pause_nonfinite_watch(paused) -> whether it was paused.

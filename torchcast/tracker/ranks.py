@@ -129,21 +129,31 @@ def _readable(t: torch.Tensor) -> bool:
         return False
 
 
-def _nonfinite(tensors: List[torch.Tensor]):
-    """Whether any of ``tensors`` holds NaN/inf: a bool for CPU tensors,
-    else a bool tensor on the device (no sync)."""
-    flags = []
+def _read_inputs(tensors: List[torch.Tensor]):
+    """Whether any of a collective's local inputs holds NaN/inf (a bool for
+    CPU tensors, else a bool tensor on the device: no sync), and (dtype,
+    shape, amax) of the first four, which an arrival's description shows:
+    a CPU tensor read once, in C++."""
+    bad, flags, described = False, [], []
     for t in tensors:
         if not _readable(t):
             continue
         if t.device.type == "cpu":
-            if not _ops.all_finite(t):
-                return True
+            amax = _ops.all_finite_amax(t)
+            bad = bad or amax is None
         else:
             flags.append(~torch.isfinite(_ops.readable(t.detach())).all())
-    if not flags:
-        return False
-    return torch.stack([f.to(flags[0].device) for f in flags]).any()
+            amax = t.detach().abs().amax() if t.numel() else None
+        if len(described) < 4:
+            described.append((t.dtype, tuple(t.shape), amax))
+    if flags and not bad:
+        bad = torch.stack([f.to(flags[0].device) for f in flags]).any()
+    return bad, described
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element of t is finite (CPU: read in C++; else one sync)."""
+    return _ops.all_finite(t) if t.device.type == "cpu" else _ops.torch_all_finite(t)
 
 
 def _group_name(pg: Any) -> str:
@@ -165,9 +175,7 @@ def _kernel(op, name: str):
         outs = _tensors(args[out_at])
         ins = outs if in_at is None else _tensors(args[in_at])
         with unwatched():
-            bad = _nonfinite(ins)
-            amax = [(t.dtype, tuple(t.shape), t.detach().abs().amax() if t.numel() else None)
-                    for t in ins if _readable(t)][:4]
+            bad, amax = _read_inputs(ins)
             with torch._C._AutoDispatchBelowAutograd():
                 result = op(*args, **kwargs)
         work = result[-1] if isinstance(result, tuple) else result
@@ -288,7 +296,7 @@ class RankWatch:
                         self.bad_inputs.append(call.id)
                     continue
                 outs = [t for t in call.outs if _readable(t)]
-                out = next((t for t in outs if not _ops.torch_all_finite(t)), None)
+                out = next((t for t in outs if not _finite(t)), None)
                 if out is not None:
                     arrivals.append(self._arrival(call, out))
         if keep:
