@@ -23,7 +23,7 @@ or "raise", which must read each cast's stats: one synchronization per cast.
 """
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..cast import (
     PrecisionLossError, PrecisionWarning, add_other_thread_recorder, add_recorder, check_policy,
@@ -40,6 +40,7 @@ from .health import HealthWatch
 from . import nonfinite, ranks
 from .nonfinite import NonFiniteWatch, check_action
 from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
+from .block_headroom import check_block_formats
 from .regions import RegionWatch
 from .updates import UpdateWatch
 from .report import Record, Report, SiteKey, merge_into
@@ -195,6 +196,12 @@ class track:
             per module, phase and dtype, kept on the device): ``report.health``
             and ``report.headroom(dtype, scale)``, what a cast to float16,
             bfloat16 or float8 would overflow or flush.
+        block_formats: with ``health=True``, block formats ("mxfp8_e4m3",
+            "mxfp8_e5m2", "mxfp4", "nvfp4") each measured tensor is also cast
+            to (``torchcast.block_cast``, blocks along its last dimension;
+            one pass per tensor and format): ``report.headroom(format)``
+            gives what those real casts flushed to zero, left subnormal or
+            saturated, and their SQNR.
 
     Returns (on entry):
         The Report the block's casts are recorded into; read it after the
@@ -203,14 +210,15 @@ class track:
     Raises:
         TypeError: ``all_casts`` or ``health`` is not a bool (a numpy bool
             included), or rtol or atol is not a number.
-        ValueError: an unknown policy, nonfinite action or violation kind, or
+        ValueError: an unknown policy, nonfinite action, violation kind or
+            block format, block_formats without health=True, or
             a negative or NaN rtol or atol.
     """
 
     def __init__(self, all_casts: bool = False, *, policy: Optional[str] = None,
                  rtol: Optional[float] = None, atol: Optional[float] = None,
                  violations: ViolationsSpec = None, nonfinite: Optional[str] = None,
-                 health: bool = False):
+                 health: bool = False, block_formats: Sequence[str] = ()):
         for arg, value in (("all_casts", all_casts), ("health", health)):
             # bool(value) would take any object, the string "no" included, as on.
             if not isinstance(value, bool):
@@ -221,6 +229,10 @@ class track:
                                 f"{value!r}; pass a bool (bool(x) for a numpy bool)")
         self.nonfinite_action = check_action(nonfinite)
         self.health = health
+        self.block_formats = check_block_formats(block_formats)
+        if self.block_formats and not health:
+            raise ValueError("torchcast.track: block_formats casts what health=True measures; "
+                             "pass health=True too")
         if policy is not None:
             check_policy(policy)
         rtol = check_tolerance(rtol, "rtol", "torchcast.track")
@@ -259,7 +271,7 @@ class track:
             watch.start()
             recording.ranks = ranks.start(watch)
         if self.health:
-            recording.health = recording.report.health_watch = HealthWatch()
+            recording.health = recording.report.health_watch = HealthWatch(self.block_formats)
             recording.health.start()
         recording.updates.start()
         recording.regions = RegionWatch(self.all_casts, self.nonfinite_action is not None,

@@ -20,7 +20,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_flatten
 from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..headroom import FORMATS, Headroom, headroom
 from ..health import TensorHealth, tensor_health
-from ..stats import short_dtype_name
+from ..stats import CastStats, short_dtype_name
+from .block_headroom import BlockEntries, BlockHeadroomRow, block_stats, element_dtype
 from .modules import ModuleCall, add_output_listener, remove_output_listener
 from .own import unwatched
 
@@ -74,7 +75,7 @@ class HealthWatch:
     container returning its last child's output shares the child's); none
     is changed, merging makes new tensors."""
 
-    def __init__(self):
+    def __init__(self, block_formats: Tuple[str, ...] = ()):
         # (module, phase, dtype) -> measures; the module is a _Module while
         # recording, a name (str or None) in a watch read back or fed by name.
         self.entries: Dict[Tuple[Any, str, torch.dtype], List[TensorHealth]] = {}
@@ -90,6 +91,9 @@ class HealthWatch:
         # one before it, gone by then.
         self._places: Dict[Tuple[Any, str], List[_Module]] = {}
         self._made = 0  # keys made: their order, which numbers roots sharing a class
+        # The block formats each measured tensor is also cast to (block_headroom.py).
+        self.blocks = BlockEntries(block_formats) if block_formats else None
+        self._block_rows: List[BlockHeadroomRow] = []  # of a watch read back
 
     def start(self) -> None:
         self.active = True
@@ -117,13 +121,23 @@ class HealthWatch:
             self.entries[key] = [TensorHealth.merged(self.entries[key])]
         self._merged.add(key)
 
+    def _add_blocks(self, module, phase, dtype, blocks):
+        if blocks is not None:
+            with self.lock:
+                self.blocks.add(module, phase, dtype, blocks)
+
+    def _block_stats(self, t):
+        return block_stats(t, self.blocks.formats) if self.blocks is not None else None
+
     def measure(self, modules: List[Any], phase: str, t: torch.Tensor) -> None:
         """Measures ``t`` once, for each of ``modules`` (row keys, or names:
         a str or None)."""
         with unwatched():
             measured = tensor_health(t.detach())
+        blocks = self._block_stats(t)
         for module in modules:
             self._add(module, phase, t.dtype, measured)
+            self._add_blocks(module, phase, t.dtype, blocks)
 
     def _key(self, call: ModuleCall) -> Optional["_Module"]:
         """The row key of the module ``call`` stands for (None: no module)."""
@@ -178,31 +192,57 @@ class HealthWatch:
                 continue
             last = self._last
             if last is not None and last[0]() is t and last[1] == t._version:
-                _, _, measured, hook = last
+                _, _, measured, blocks, hook = last
                 self._add(module, "forward", t.dtype, measured)
+                self._add_blocks(module, "forward", t.dtype, blocks)
                 if hook is not None:
                     hook.modules.append(module)
                 continue
             with unwatched():
                 measured = tensor_health(t.detach())
+            blocks = self._block_stats(t)
             self._add(module, "forward", t.dtype, measured)
+            self._add_blocks(module, "forward", t.dtype, blocks)
             hook = None
             if t.requires_grad and torch.is_grad_enabled():
                 hook = _GradHook(self, module)
                 t.register_hook(hook)
-            self._last = (weakref.ref(t), t._version, measured, hook)
+            self._last = (weakref.ref(t), t._version, measured, blocks, hook)
 
     @classmethod
-    def from_dicts(cls, rows: List[Dict[str, Any]]) -> "HealthWatch":
-        """A stopped watch holding ``ModuleHealth.to_dict()`` rows (a report
-        read back from JSON)."""
+    def from_dicts(cls, rows: List[Dict[str, Any]],
+                   block_rows: Sequence[Dict[str, Any]] = ()) -> "HealthWatch":
+        """A stopped watch holding ``ModuleHealth.to_dict()`` rows and
+        ``BlockHeadroomRow.to_dict()`` rows (a report read back from JSON)."""
         watch = cls()
+        watch._block_rows = [BlockHeadroomRow.from_dict(d) for d in block_rows]
         for d in rows:
             h = TensorHealth.from_dict(d)
             key = (d["module"], d["phase"], h.dtype)
             watch.entries[key] = [h]
             watch._merged.add(key)
         return watch
+
+    def block_formats(self) -> Tuple[str, ...]:
+        """The block formats this watch cast to (or, read back, holds rows of)."""
+        if self.blocks is not None:
+            return self.blocks.formats
+        return tuple(dict.fromkeys(r.format for r in self._block_rows))
+
+    def block_rows(self) -> List[BlockHeadroomRow]:
+        """Every (module, phase, dtype, block format) entry, its stats read
+        (one synchronization per device)."""
+        if self.blocks is None:
+            return list(self._block_rows)
+        with self.lock:
+            merged = self.blocks.merged()
+            names = _names(m for m, _, _ in self.entries)
+        keys = list(merged)
+        values = torch.stack([merged[k].to("cpu", torch.float64) for k in keys]).tolist() \
+            if keys else []
+        return [BlockHeadroomRow(names.get(m), phase, dtype, fmt,
+                                 CastStats.from_values(v, dtype, element_dtype(fmt)))
+                for (m, phase, dtype, fmt), v in zip(keys, values)]
 
     def rows(self) -> List[ModuleHealth]:
         """Every entry, worst first: non-finite values, then the fewest

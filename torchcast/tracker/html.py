@@ -20,8 +20,8 @@ import os
 from typing import Any, Dict, Optional
 
 from .html_health import OPEN_ENTRIES  # noqa: F401  (the page's; tests read it here)
-from .html_health import (binades_to_max, headroom_section, health_section, module_names,
-                          nonfinite_count, same_measures)
+from .html_health import (binades_to_max, block_headroom_section, headroom_section,
+                          health_section, module_names, nonfinite_count, same_measures)
 from .html_parts import (counted, ellipsize, esc, html_table, module_tail, number, short_dtype,
                          titled)
 from .nonfinite_origin import reach_rank
@@ -313,7 +313,7 @@ def render_html(data: Dict[str, Any]) -> str:
             + _what_to_fix(data, summary)
             + (f'<section id="origins">{origins_html}</section>' if origins_html else "")
             + _casts(data) + health_section(data, _origin_module(data))
-            + headroom_section(data)
+            + headroom_section(data) + block_headroom_section(data)
             + (f'<section id="updates">{_updates(data)}</section>' if data.get("updates") else "")
             + (f'<section id="regions">{regions}</section>' if regions else "")
             + "</body></html>")

@@ -284,3 +284,34 @@ def binades_to_max(entry: Dict[str, Any]) -> float:
     except (TypeError, ValueError):
         return math.inf
     return math.log2(largest / amax)
+
+
+def block_headroom_section(data: Dict[str, Any]) -> str:
+    """The block formats' headroom (``track(health=True, block_formats=...)``):
+    per format, each module entry's real block cast, worst first; empty
+    without such rows."""
+    rows = data.get("block_headroom")
+    if not rows:
+        return ""
+
+    def frac(s, k):
+        n = max(as_float(s["numel"]), 1)
+        x = as_float(s[k]) / n
+        return "0" if x == 0 else f"{100 * x:.3g}%"
+
+    parts = ["<h2>Headroom in block-scaled formats (real casts, blocks along the last "
+             "dimension)</h2>"]
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        mine = sorted((r for r in rows if r["format"] == fmt),
+                      key=lambda r: (-as_float(r["stats"]["saturated"]) /
+                                     max(as_float(r["stats"]["numel"]), 1),
+                                     -as_float(r["stats"]["underflow"]) /
+                                     max(as_float(r["stats"]["numel"]), 1)))
+        cells = [[module_label(r["module"]), esc(r["phase"]), esc(short_dtype(r["src_dtype"])),
+                  esc(r["stats"]["numel"]), frac(r["stats"], "underflow"),
+                  frac(r["stats"], "subnormal"), frac(r["stats"], "saturated"),
+                  esc(f"{as_float(r['stats']['sqnr_db']):.1f} dB")] for r in mine]
+        parts.append(f"<h3>{esc(fmt)}</h3>" + html_table(
+            ["module", "phase", "from", "elements", "flushed to 0", "subnormal", "saturated",
+             "SQNR"], cells, left=3))
+    return "".join(parts)

@@ -15,6 +15,7 @@ import torch
 
 from ..stats import STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors
 from ..violations import Violations, ViolationsSpec
+from .block_headroom import BlockHeadroomTable
 from .health import HeadroomTable, HealthWatch, ModuleHealth, headroom_lines, headroom_table
 from .html import render_html
 from .nonfinite import NonFiniteWatch
@@ -276,25 +277,46 @@ class Report:
         elements."""
         return self.health_watch.rows() if self.health_watch is not None else []
 
-    def headroom(self, dtype: torch.dtype,
-                 scale: Union[None, float, str] = None) -> HeadroomTable:
+    def headroom(self, dtype: Union[torch.dtype, str],
+                 scale: Union[None, float, str] = None) -> Union[HeadroomTable,
+                                                                  BlockHeadroomTable]:
         """What casting each module's outputs and gradients to ``dtype``
-        would do, exactly, from their histograms (``track(health=True)``).
+        would do, exactly: from their histograms (``track(health=True)``),
+        or for a block-scaled format from real block casts of them
+        (``track(health=True, block_formats=...)``).
 
         Args:
             dtype: torch.float16, torch.bfloat16, torch.float8_e4m3fn or
-                torch.float8_e5m2.
+                torch.float8_e5m2; or a block format: "mxfp8_e4m3",
+                "mxfp8_e5m2", "mxfp4" or "nvfp4" (blocks along the last
+                dimension, each block scaled by its format's rule).
             scale: None (no scaling), a power of two, or "amax": per entry,
                 the scale ``safe_to(..., scale="amax_pow2")`` would use, the
                 largest power of two s with ``amax * s <= finfo(dtype).max``
-                (docs/scaling.md).
+                (docs/scaling.md). None for a block format (its scales are
+                its own).
 
         Returns:
-            A HeadroomTable (``str()`` prints it, worst first; ``.rows``).
+            A HeadroomTable, or for a block format a BlockHeadroomTable
+            (``str()`` prints it, worst first; ``.rows``).
+
+        Raises:
+            RuntimeError: the report has no module health.
+            ValueError: a block format that was not measured, or a scale
+                given with one.
         """
         if self.health_watch is None:
             raise RuntimeError("torchcast.Report.headroom: this report has no module health; "
                                "record it with torchcast.track(health=True)")
+        if isinstance(dtype, str):
+            if scale is not None:
+                raise ValueError(f"torchcast.Report.headroom: {dtype} scales each block by its "
+                                 "own rule; leave scale=None")
+            if dtype not in self.health_watch.block_formats():
+                raise ValueError(f"torchcast.Report.headroom: {dtype!r} was not measured; "
+                                 f"track(health=True, block_formats=({dtype!r},)) measures it")
+            return BlockHeadroomTable(dtype, [r for r in self.health_watch.block_rows()
+                                              if r.format == dtype])
         return headroom_table(self.health_watch, dtype, scale)
 
     def headroom_summary(self) -> str:

@@ -87,6 +87,9 @@ def report_to_dict(report: Any) -> Dict[str, Any]:
         data["headroom"] = [
             HeadroomRow(r.module, r.phase, r.dtype, r.headroom(fmt, scale)).to_dict()
             for r in rows for fmt in FORMATS for scale in (None, "amax")]
+        blocks = report.health_watch.block_rows()
+        if blocks:
+            data["block_headroom"] = [r.to_dict() for r in blocks]
     # The records' stats are encoded already; this covers rtol/atol, the
     # origins' input amax, the health extrema and any float added later.
     return json_float(data)
@@ -114,7 +117,7 @@ def report_from_dict(cls: type, data: Dict[str, Any]) -> Any:
     if "health" in data:
         rows = [dict(d, **{k: float_from_json(d[k], f"a health row's {k}")
                            for k in ("amax", "min_nonzero")}) for d in data["health"]]
-        report.health_watch = HealthWatch.from_dicts(rows)
+        report.health_watch = HealthWatch.from_dicts(rows, data.get("block_headroom", ()))
     return report
 
 

@@ -148,6 +148,16 @@ def write_tensorboard(data: Dict[str, Any], writer: Any, step: int,
             writer.add_scalar(f"{base}/amax_scale/log2_scale", _log2(scaled["scale"]), step)
             for k in ("overflow", "underflow", "subnormal"):
                 writer.add_scalar(f"{base}/amax_scale/{k}", _float(scaled[k]), step)
+    blocks = data.get("block_headroom", [])
+    bases = _unique([(_tag(prefix, "block_headroom", b["module"] or "-", b["phase"],
+                           b["src_dtype"], b["format"]),
+                      (b["module"], b["phase"], b["src_dtype"], b["format"])) for b in blocks])
+    for b, base in zip(blocks, bases):
+        s = b["stats"]
+        n = max(_float(s["numel"]), 1)
+        for k in ("underflow", "subnormal", "saturated"):
+            writer.add_scalar(f"{base}/{k}_fraction", _float(s[k]) / n, step)
+        writer.add_scalar(f"{base}/sqnr_db", _float(s["sqnr_db"]), step)
     updates = data.get("updates", [])
     bases = _unique([(_tag(prefix, "updates", f"optimizer{u['optimizer']}", f"group{u['group']}",
                            *(() if u["index"] is None else (u["name"] or f"param{u['index']}",))),
