@@ -136,7 +136,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     // _to_copy(self, ...) -> out; copy_(self, src): src into self.
     const bool copy = call->inputs.size() > 1 && call->inputs[1].isTensor();
     const c10::IValue& src = call->inputs[copy ? 1 : 0];
-    const c10::IValue out = copy ? call->inputs[0] : (outputs.empty() ? c10::IValue() : outputs[0]);
+    const c10::IValue out =
+        copy ? call->inputs[0] : (outputs.empty() ? c10::IValue() : outputs[0]);
     if (src.isTensor() && out.isTensor() &&
         src.toTensor().scalar_type() != out.toTensor().scalar_type()) {
       pybind11::gil_scoped_acquire gil;

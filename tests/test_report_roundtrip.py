@@ -21,6 +21,7 @@ from torchcast.tracker.nonfinite_origin import InputInfo, NonFiniteOrigin
 from torchcast.tracker.report import Report, merge_into, write_text
 from torchcast.tracker.tensorboard import write_tensorboard
 from torchcast.violations import Violations
+from scalar_writer import ScalarWriter
 
 NONFINITE = (math.inf, -math.inf, math.nan)
 FLOAT_STATS = tuple(f.name for f in dataclasses.fields(torchcast.CastStats)
@@ -171,21 +172,11 @@ def test_html_of_a_cast_whose_every_element_overflowed(tmp_path):
     assert "<td>inf</td>" in out.read_text(encoding="utf-8")
 
 
-class _Writer:
-    def __init__(self):
-        self.scalars = {}
-
-    def add_scalar(self, tag, value, step):
-        self.scalars[tag] = value
-
-    def add_histogram_raw(self, tag, **kwargs):
-        pass
-
 
 @pytest.mark.parametrize("value", NONFINITE, ids=["inf", "-inf", "nan"])
 def test_tensorboard_writes_nonfinite_values(value):
     report = nonfinite_report(value)
-    writer = _Writer()
+    writer = ScalarWriter()
     report.to_tensorboard(writer, step=1)
     scalars = writer.scalars
     site = next(t for t in scalars if t.endswith("/max_rel_err"))
@@ -194,7 +185,7 @@ def test_tensorboard_writes_nonfinite_values(value):
     assert not math.isfinite(sqnr)
     assert all(isinstance(v, (int, float)) for v in scalars.values())
     # the same from the saved JSON
-    again = _Writer()
+    again = ScalarWriter()
     write_tensorboard(json.loads(report.to_json()), again, 1)
     _same(sorted(again.scalars.items()), sorted(scalars.items()), "scalars")
 

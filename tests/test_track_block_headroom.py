@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchcast
+from scalar_writer import ScalarWriter
 
 FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
 COUNTS = ("numel", "nan", "inf", "inexact", "overflow", "saturated", "underflow", "subnormal")
@@ -63,17 +64,6 @@ def test_rows_are_the_stats_of_real_block_casts_of_what_was_measured(steps):
         assert any(r.stats.underflow for r in rows.values()) or fmt.startswith("mxfp8")
 
 
-class Tags:
-    def __init__(self):
-        self.scalars = {}
-
-    def add_scalar(self, tag, value, step):
-        assert tag not in self.scalars, f"{tag} written twice"
-        self.scalars[tag] = value
-
-    def add_histogram_raw(self, *args, **kwargs):
-        pass
-
 
 def test_html_tensorboard_json_carry_them_and_unmeasured_formats_are_refused(tmp_path):
     model, x = model_and_input()
@@ -82,7 +72,7 @@ def test_html_tensorboard_json_carry_them_and_unmeasured_formats_are_refused(tmp
     report.to_html(tmp_path / "r.html")
     page = (tmp_path / "r.html").read_text()
     assert "Headroom in block-scaled formats" in page and "<h3>nvfp4</h3>" in page
-    tags = Tags()
+    tags = ScalarWriter()
     report.to_tensorboard(tags, step=0)
     first = next(r for r in report.headroom("nvfp4") if r.module == "0" and r.phase == "forward")
     tag = "torchcast/block_headroom/0/forward/torch.float32/nvfp4/underflow_fraction"

@@ -7,20 +7,8 @@ import torch
 
 import torchcast
 from torchcast.optim import AdamW
+from scalar_writer import ScalarWriter
 
-
-class Tags:
-    """A stand-in for SummaryWriter: the scalars written, by tag."""
-
-    def __init__(self):
-        self.scalars = {}
-
-    def add_scalar(self, tag, value, step):
-        assert tag not in self.scalars, f"{tag} written twice"
-        self.scalars[tag] = value
-
-    def add_histogram_raw(self, *args, **kwargs):
-        pass
 
 
 def train(lr, steps=5):
@@ -62,7 +50,7 @@ def test_text_html_tensorboard_and_json_carry_them(tmp_path):
     report.to_html(tmp_path / "report.html")
     html = (tmp_path / "report.html").read_text()
     assert "<h2>Optimizer updates</h2>" in html and "raise the learning rate" in html
-    tags = Tags()
+    tags = ScalarWriter()
     report.to_tensorboard(tags, step=3)
     lost = {t: v for t, v in tags.scalars.items() if "/updates/" in t and t.endswith("lost_fraction")}
     assert "torchcast/updates/optimizer0/group0/lost_fraction" in lost

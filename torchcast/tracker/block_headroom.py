@@ -19,6 +19,7 @@ from ..block import nvfp4_tensor_scale
 from ..formats import block_format
 from ..stats import STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors, short_dtype_name
 from .own import unwatched
+from .text_table import format_table, percent
 
 
 def check_block_formats(formats: Sequence[str]) -> Tuple[str, ...]:
@@ -119,22 +120,18 @@ class BlockHeadroomTable:
 
     def __str__(self) -> str:
         fmt = block_format(self.format)
-        lines = [f"torchcast headroom in {self.format} ({fmt.element.name} elements, a "
-                 f"{fmt.scale.name} scale per {fmt.block_size} along the last dimension; "
-                 "real casts), worst first"]
+        head = (f"torchcast headroom in {self.format} ({fmt.element.name} elements, a "
+                f"{fmt.scale.name} scale per {fmt.block_size} along the last dimension; "
+                "real casts), worst first")
         table = [("module", "phase", "dtype", "elements", "flushed to 0", "subnormal",
                   "saturated", "SQNR")]
         for r in self.rows:
             s = r.stats
             n = max(s.numel, 1)
             table.append((r.module or "-", r.phase, short_dtype_name(r.src_dtype), str(s.numel),
-                          _percent(s.underflow / n), _percent(s.subnormal / n),
-                          _percent(s.saturated / n), f"{s.sqnr_db:.1f} dB"))
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        for row in table:
-            lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        return "\n".join(lines)
+                          percent(s.underflow / n), percent(s.subnormal / n),
+                          percent(s.saturated / n), f"{s.sqnr_db:.1f} dB"))
+        return format_table(head, table, left=3)
 
 
 def element_dtype(name: str) -> torch.dtype:
@@ -143,8 +140,3 @@ def element_dtype(name: str) -> torch.dtype:
     fmt = block_format(name)
     return torch.float4_e2m1fn_x2 if fmt.packed else fmt.element.dtype
 
-
-def _percent(x: float) -> str:
-    if x == 0:
-        return "0"
-    return f"{100 * x:.3g}%" if x >= 1e-5 else f"{100 * x:.1e}%"

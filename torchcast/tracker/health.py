@@ -32,6 +32,7 @@ from ..stats import CastStats, short_dtype_name
 from .block_headroom import BlockEntries, BlockHeadroomRow, block_stats, element_dtype
 from .modules import ModuleCall, add_output_listener, remove_output_listener
 from .own import unwatched
+from .text_table import format_table, percent
 
 PHASES = ("forward", "backward")
 # The histograms an entry keeps unmerged at most (float32's is 28 KiB).
@@ -422,28 +423,15 @@ class HeadroomTable:
         for r in self.rows:
             h = r.result
             table.append((r.module or "-", r.phase, short_dtype_name(r.src_dtype), str(h.numel),
-                          f"2^{int(math.log2(h.scale))}", _percent(h.overflow_fraction),
-                          _percent(h.underflow_fraction), _percent(h.subnormal_fraction)))
-        text = _format_table(head, table, left=3)
+                          f"2^{int(math.log2(h.scale))}", percent(h.overflow_fraction),
+                          percent(h.underflow_fraction), percent(h.subnormal_fraction)))
+        text = format_table(head, table, left=3)
         if self.omitted:
             text += (f"\n... {self.omitted} more already in {short_dtype_name(self.dtype)} "
                      "(no cast)")
         return text
 
 
-def _percent(x: float) -> str:
-    if x == 0:
-        return "0"
-    return f"{100 * x:.3g}%" if x >= 1e-5 else f"{100 * x:.1e}%"
-
-
-def _format_table(head: str, rows: List[tuple], left: int) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [head]
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    return "\n".join(lines)
 
 
 def headroom_table(watch: HealthWatch, dtype: torch.dtype,
@@ -458,7 +446,7 @@ def headroom_table(watch: HealthWatch, dtype: torch.dtype,
 
 
 def _lost(h: Headroom) -> str:
-    return f"{_percent(h.overflow_fraction)}/{_percent(h.underflow_fraction)}"
+    return f"{percent(h.overflow_fraction)}/{percent(h.underflow_fraction)}"
 
 
 def headroom_lines(watch: HealthWatch) -> List[str]:
@@ -491,7 +479,7 @@ def headroom_lines(watch: HealthWatch) -> List[str]:
             continue
         table.append((r.module or "-", r.phase, short_dtype_name(r.dtype),
                       str(health.numel), *cells))
-    lines = _format_table(head, table, left=3).split("\n") if len(table) > 1 else [head]
+    lines = format_table(head, table, left=3).split("\n") if len(table) > 1 else [head]
     if lossless:
         lines.append(f"... {lossless} more lose nothing in any format at scale 1")
     return lines
@@ -564,9 +552,9 @@ def health_lines(watch: HealthWatch) -> List[str]:
         table.append((r.module or "-", r.phase, short_dtype_name(r.dtype), str(h.numel),
                       f"{h.amax:.3g}", f"{room:.1f}" if math.isfinite(room) else "-",
                       f"{h.min_nonzero:.3g}" if math.isfinite(h.min_nonzero) else "-",
-                      str(h.nan + h.posinf + h.neginf), _percent(h.zero / n),
-                      _percent(h.subnormal / n)))
-    return _format_table(head, table, left=3).split("\n")
+                      str(h.nan + h.posinf + h.neginf), percent(h.zero / n),
+                      percent(h.subnormal / n)))
+    return format_table(head, table, left=3).split("\n")
 
 
 __all__ = ["FORMATS", "HealthWatch", "HeadroomRow", "HeadroomTable", "ModuleHealth",
