@@ -70,6 +70,12 @@ def torch_all_finite(t: torch.Tensor) -> bool:
 all_finite = _C.all_finite if WITH_EXTENSION else torch_all_finite
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite: all_finite on the CPU,
+    torch_all_finite (one sync) on other devices."""
+    return all_finite(t) if t.device.type == "cpu" else torch_all_finite(t)
+
+
 def _torch_all_finite_amax(t: torch.Tensor) -> Optional[float]:
     r = readable(t)
     if not bool(torch.isfinite(r).all()):

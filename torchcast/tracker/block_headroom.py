@@ -14,12 +14,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _ops
-from ..block import nvfp4_tensor_scale
+from ..block import block_cast
 from ..formats import block_format
 from ..stats import STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors, short_dtype_name
 from .own import unwatched
-from .text_table import format_table, percent
+from .text_table import RowTable, format_table, percent
 
 
 def check_block_formats(formats: Sequence[str]) -> Tuple[str, ...]:
@@ -37,14 +36,8 @@ def block_stats(t: torch.Tensor, formats: Sequence[str]) -> Dict[str, torch.Tens
     """The stats tensor of block_cast(t, fmt) for each format, blocks along
     t's last dimension (a 0-d t as one element); the tracker's own ops."""
     x = t.detach().reshape(1) if t.dim() == 0 else t.detach()
-    out = {}
     with unwatched():
-        for name in formats:
-            fmt = block_format(name)
-            scale = nvfp4_tensor_scale(x) if fmt.tensor_scale else None
-            out[name] = _ops.block_cast(x, fmt.name, fmt.block_size, fmt.scale_modes[0],
-                                        scale)[2]
-    return out
+        return {name: block_cast(x, name).stats_tensor for name in formats}
 
 
 class BlockEntries:
@@ -98,7 +91,7 @@ class BlockHeadroomRow:
         return cls(d["module"], d["phase"], stats.src_dtype, d["format"], stats)
 
 
-class BlockHeadroomTable:
+class BlockHeadroomTable(RowTable):
     """``Report.headroom(format)`` for a block format: per module, phase and
     dtype, what a real block cast of what was measured lost; ``str()`` prints
     it worst first (saturated, then flushed to zero, then the lowest SQNR)."""
@@ -108,15 +101,6 @@ class BlockHeadroomTable:
         self.rows = sorted(rows, key=lambda r: (-r.stats.saturated / max(r.stats.numel, 1),
                                                 -r.stats.underflow / max(r.stats.numel, 1),
                                                 r.stats.sqnr_db))
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def to_dict(self) -> List[Dict[str, Any]]:
-        return [r.to_dict() for r in self.rows]
 
     def __str__(self) -> str:
         fmt = block_format(self.format)

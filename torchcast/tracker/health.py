@@ -32,7 +32,7 @@ from ..stats import CastStats, short_dtype_name
 from .block_headroom import BlockEntries, BlockHeadroomRow, block_stats, element_dtype
 from .modules import ModuleCall, add_output_listener, remove_output_listener
 from .own import unwatched
-from .text_table import format_table, percent
+from .text_table import RowTable, format_table, percent
 
 PHASES = ("forward", "backward")
 # The histograms an entry keeps unmerged at most (float32's is 28 KiB).
@@ -392,7 +392,7 @@ class HeadroomRow:
                 "subnormal": r.subnormal_fraction}
 
 
-class HeadroomTable:
+class HeadroomTable(RowTable):
     """``Report.headroom``'s answer: per module and phase, what a cast to a
     format would do; ``str()`` prints it worst first (overflow, then
     underflow, then subnormal results). ``omitted`` counts the entries left
@@ -404,15 +404,6 @@ class HeadroomTable:
         self.rows = sorted(rows, key=lambda r: (-r.result.overflow_fraction,
                                                 -r.result.underflow_fraction,
                                                 -r.result.subnormal_fraction))
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def to_dict(self) -> List[Dict[str, Any]]:
-        return [r.to_dict() for r in self.rows]
 
     def __str__(self) -> str:
         scale = "per-entry power-of-two amax scale" if self.scale == "amax" else \

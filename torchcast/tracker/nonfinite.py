@@ -90,8 +90,7 @@ def _bad(values: Sequence[Any]) -> bool:
             if not math.isfinite(v):
                 return True
         elif isinstance(v, torch.Tensor) and floating_data(v):
-            finite = _ops.all_finite if v.device.type == "cpu" else _ops.torch_all_finite
-            if not finite(v):
+            if not _ops.finite(v):
                 return True
     return False
 

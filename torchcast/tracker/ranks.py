@@ -151,10 +151,6 @@ def _read_inputs(tensors: List[torch.Tensor]):
     return bad, described
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every element of t is finite (CPU: read in C++; else one sync)."""
-    return _ops.all_finite(t) if t.device.type == "cpu" else _ops.torch_all_finite(t)
-
 
 def _group_name(pg: Any) -> str:
     try:
@@ -296,7 +292,7 @@ class RankWatch:
                         self.bad_inputs.append(call.id)
                     continue
                 outs = [t for t in call.outs if _readable(t)]
-                out = next((t for t in outs if not _finite(t)), None)
+                out = next((t for t in outs if not _ops.finite(t)), None)
                 if out is not None:
                     arrivals.append(self._arrival(call, out))
         if keep:

@@ -1,5 +1,21 @@
 """The pieces of the tracker's text tables (headroom, module health)."""
-from typing import List
+from typing import Any, Dict, List
+
+
+class RowTable:
+    """A table of rows that each have ``to_dict()``: iterable, sized, and
+    its dict form a list of the rows'."""
+
+    rows: List[Any]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_dict(self) -> List[Dict[str, Any]]:
+        return [r.to_dict() for r in self.rows]
 
 
 def percent(x: float) -> str:
