@@ -7,6 +7,7 @@ script's (1 if it raised; 2, before it runs, for a missing script or an
 output file that cannot be written). ``audit`` is another name for the same
 command."""
 import argparse
+import gc
 import os
 import runpy
 import sys
@@ -208,6 +209,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+    # The script's objects are unreachable now; collect them while the
+    # interpreter is whole. A gloo process group left for Py_Finalize's
+    # collection has its worker thread drop Python objects then, and that
+    # thread aborts the process (torch 2.13, also without torchcast).
+    gc.collect()
     if os.getpid() != tracking:
         # A process the script forked, run on to the script's end: its track
         # left its records for the tracking process, which reports them all.
