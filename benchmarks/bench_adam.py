@@ -38,6 +38,8 @@ PICTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "img")
 # Held-out loss is read every CURVE_EVERY steps for the loss-against-steps picture.
 CURVE_EVERY = 100
+# The interval of the sampled update accounting the speed run measures.
+EVERY = 16
 
 
 def timed(fn):
@@ -65,6 +67,7 @@ def step_bytes(pbytes, sbytes, cbytes, n):
 
 def speed(rounds, copy_gbs, threads, args, run):
     rows = []
+    costs = []  # (size, track_updates setting, median per-round ratio to the untracked step)
     for label, shapes in [("48 x 1024^2 (50.3M)", [(1024, 1024)] * 48),
                           ("2^12", [(1 << 12,)])]:
         n = sum(math.prod(s) for s in shapes)
@@ -124,7 +127,18 @@ def speed(rounds, copy_gbs, threads, args, run):
             r16 = statistics.median(a / b for a, b in zip(times[name], base16))
             gbs = nbytes / t / 1e9
             rows.append((label, name, t * 1e3, r32, r16, gbs, 100 * gbs / copy_gbs))
-        del cases, master, model, mparams, g32, g16
+        # The accounting's cost, every step and every EVERY-th: runs of
+        # EVERY consecutive steps of each, interleaved with untracked runs.
+        runs = {setting: opt(AdamW, torch.bfloat16, track_updates=setting)
+                for setting in (False, True, EVERY)}
+        run_times = {setting: [] for setting in runs}
+        for _ in range(max(3, rounds // 3)):
+            for setting, step in runs.items():
+                run_times[setting].append(timed(lambda: [step() for _ in range(EVERY)]))
+        for setting in (True, EVERY):
+            costs.append((label, setting, statistics.median(
+                a / b for a, b in zip(run_times[setting], run_times[False]))))
+        del cases, master, model, mparams, g32, g16, runs
     head = (f"One AdamW step (lr 1e-3, wd 1e-2), torch {torch.__version__}, "
             f"torch.set_num_threads({threads}), {rounds} interleaved rounds, medians; "
             f"{run.summary()} Command: `PYTHONPATH=. python "
@@ -137,6 +151,12 @@ def speed(rounds, copy_gbs, threads, args, run):
     for label, name, ms, r32, r16, gbs, pct in rows:
         lines.append(f"| {label} | {name} | {ms:.3f} | {r32:.2f}x | {r16:.2f}x | "
                      f"{gbs:.1f} | {pct:.0f}% |")
+    lines += ["", f"The update accounting's cost: {EVERY} consecutive bfloat16 Kahan steps "
+              "with it against as many untracked ones, interleaved, median of the per-round "
+              f"ratios (`track_updates={EVERY}` counts one step of the {EVERY}).", "",
+              "| size | setting | vs untracked steps |", "|---|---|---:|"]
+    lines += [f"| {label} | `track_updates={setting}` | {ratio:.3f}x |"
+              for label, setting, ratio in costs]
     return "\n".join(lines)
 
 

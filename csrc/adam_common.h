@@ -168,17 +168,32 @@ enum UpdateStat : int {
 // CPU and CUDA tallies agree bit for bit; 2^43 element-steps at a full ulp
 // each before an int64 fills.
 constexpr float kCompUnits = 1048576.0f;
-// 2^30 units: a ratio past 1024 ulp (never seen: a compensation is within an
-// ulp) is clamped, so that a ratio converts to int32, which AVX2 vectorizes.
-constexpr float kCompCap = 1073741824.0f;
+// 2^22 units: a ratio past 4 ulp (never seen: a compensation is within an
+// ulp) is clamped, so that a ratio converts to int32, which AVX2 vectorizes,
+// and kTallyBlock of them add up in an int32.
+constexpr float kCompCap = 4194304.0f;
+constexpr int64_t kTallyBlock = 256;
 
-// One thread's tally of the update accounting over the elements it stepped.
+// One element's (or, summed in int32 lanes, one block's) update accounting.
 // The max is kept as the bits of a non-negative float (whose order is its
 // value's): an integer max beside the sums is what gcc vectorizes.
+struct ElementTally {
+  int32_t updated = 0, lost = 0, shrunk = 0, comp_units = 0;
+  uint32_t comp_max_bits = 0;  // float units, clamped to [0, kCompCap]
+};
+
+// One thread's tally of the update accounting over the elements it stepped.
 struct UpdateTally {
   int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0;
-  uint32_t comp_max_bits = 0;  // float units, clamped to [0, kCompCap]
+  uint32_t comp_max_bits = 0;
 
+  TC_HD void add(const ElementTally& e) {
+    updated += e.updated;
+    lost += e.lost;
+    shrunk += e.shrunk;
+    comp_sum += e.comp_units;
+    comp_max_bits = comp_max_bits > e.comp_max_bits ? comp_max_bits : e.comp_max_bits;
+  }
   TC_HD void merge(const UpdateTally& o) {
     updated += o.updated;
     lost += o.lost;
@@ -198,7 +213,7 @@ TC_HD float flip_last_bit(float p) { return bit_cast<float>(bit_cast<uint32_t>(p
 // One element of the step. PT/ST: parameter and state storage formats
 // (Float64Storage, Float32Target, BFloat16Target, Float16Target); M: how the
 // parameter carries its rounding error; kTrack: whether the step also tallies
-// what rounding did to the update (UpdateTally). Everything is computed and
+// what rounding did to the update (ElementTally). Everything is computed and
 // selected without branches so that the loops vectorize.
 template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack = false>
 struct AdamElement {
@@ -206,6 +221,8 @@ struct AdamElement {
   using P = typename PT::storage;
   using S = typename ST::storage;
   using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
+  // The update accounting's arithmetic (tally_element).
+  using TallyT = std::conditional_t<sizeof(P) == 2, float, double>;
   static constexpr bool kCarries = carries(M);
   static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target> ||
                     std::is_same_v<PT, Float16Target>,
@@ -213,7 +230,7 @@ struct AdamElement {
 
   // index: the element's position in its tensor (the stochastic counter).
   TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
-                         P& p, P g, S& m, S& v, S& vmax, C& c, UpdateTally& tally) {
+                         P& p, P g, S& m, S& v, S& vmax, C& c, ElementTally& tally) {
     const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
     T pv;
     if constexpr (M == Compensation::kRemainder) {
@@ -239,17 +256,17 @@ struct AdamElement {
     const T denom = tc_sqrt(vv) * t.inv_bc2_sqrt + k.eps;
     const T upd = (t.neg_step_size * ST::widen(m)) / denom;
 
-    // The intended update, in float64: upd minus lr * wd * w under
-    // decoupled decay (the product exact: 24 + 24 bits). The plain step
-    // scales the weight by a rounded 1 - lr * wd instead, whose rounding is
-    // then part of what the accounting sees; the compensated modes compute
-    // the same float32 u.
-    double intended = 0.0;
+    // The intended update: upd minus lr * wd * w under decoupled decay, in
+    // float64 (the product exact: 24 + 24 bits), then in the tally's type.
+    // The plain step scales the weight by a rounded 1 - lr * wd instead,
+    // whose rounding is then part of what the accounting sees; the
+    // compensated modes compute the same float32 u.
+    TallyT intended = 0;
     if constexpr (M == Compensation::kNone) {
       p = PT::round(pv * k.decay + upd);
       if constexpr (kTrack) {
         const double lr_wd = static_cast<double>(blend(k.use_decay, k.lr_wd, T(0)));
-        intended = static_cast<double>(upd) - lr_wd * static_cast<double>(pv);
+        intended = static_cast<TallyT>(static_cast<double>(upd) - lr_wd * static_cast<double>(pv));
       }
     } else {
       // Compensated, decoupled decay joins the update rather than scaling
@@ -267,24 +284,25 @@ struct AdamElement {
           p = half_bits_stochastic(pv + u, bits);
         }
       }
-      if constexpr (kTrack) intended = static_cast<double>(u);
+      if constexpr (kTrack) intended = static_cast<TallyT>(u);
     }
     if constexpr (kTrack) tally_element(p, p_old, intended, c, tally);
   }
 
   // The update accounting of one element: p and c after the step, p_old the
-  // stored param before it. Counted in float64, where the change of a
-  // narrow param and the intended update are exact (or correctly rounded,
-  // the same way in the reference).
-  TC_HD static void tally_element(P p, T p_old, double intended, C c, UpdateTally& tally) {
+  // stored param before it. Counted in TallyT: float32 for a 16-bit param,
+  // whose change is exact there wherever the comparison with half the
+  // intended update is close (that needs an update of a few ulp, so p_old
+  // and p are within a binade or two); float64 for wider params.
+  TC_HD static void tally_element(P p, T p_old, TallyT intended, C c, ElementTally& tally) {
     const T p_new = PT::widen(p);
-    const double change = static_cast<double>(p_new) - static_cast<double>(p_old);
-    const double a = intended < 0.0 ? -intended : intended;
-    const double d = change < 0.0 ? -change : change;
-    const int64_t updated = (intended != 0.0) & (intended - intended == 0.0);
-    tally.updated += updated;
-    tally.lost += updated & (change == 0.0);
-    tally.shrunk += updated & (2.0 * d < a);
+    const TallyT change = static_cast<TallyT>(p_new) - static_cast<TallyT>(p_old);
+    const TallyT a = intended < TallyT(0) ? -intended : intended;
+    const TallyT d = change < TallyT(0) ? -change : change;
+    const int32_t updated = (intended != TallyT(0)) & (intended - intended == TallyT(0));
+    tally.updated = updated;
+    tally.lost = updated & (change == TallyT(0));
+    tally.shrunk = updated & (TallyT(2) * d < a);
     if constexpr (kCarries) {
       T carried;
       if constexpr (M == Compensation::kKahan) {
@@ -302,8 +320,8 @@ struct AdamElement {
           static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (bits & 0x7fffffffu)) >> 31);
       const uint32_t cap = bit_cast<uint32_t>(kCompCap);
       const uint32_t clamped = (bits < cap ? bits : cap) & ~nan;
-      tally.comp_sum += static_cast<int32_t>(bit_cast<float>(clamped));
-      tally.comp_max_bits = tally.comp_max_bits > clamped ? tally.comp_max_bits : clamped;
+      tally.comp_units = static_cast<int32_t>(bit_cast<float>(clamped));
+      tally.comp_max_bits = clamped;
     }
   }
 
@@ -312,7 +330,7 @@ struct AdamElement {
   // the step uses them.
   TC_HD static void step_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
                             int64_t index, P* p, P g, S* m, S* v, S* vmax, C* c,
-                            UpdateTally& tally) {
+                            ElementTally& tally) {
     P pj = p[j];
     S mj = m[j], vj = v[j], xj{};
     C cj{};

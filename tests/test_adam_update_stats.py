@@ -4,6 +4,7 @@ param before and after the step and the update computed in float64 (numpy,
 from the saved state and the textbook formulas), and against the
 pure-PyTorch restatement of the kernel (bit for bit, edge values included);
 then the optimizer's API."""
+import dataclasses
 import math
 
 import numpy as np
@@ -350,9 +351,49 @@ def test_fallback_counts_as_the_kernel():
     assert oa.update_stats() == ob.update_stats()
 
 
+def test_track_updates_every_nth_step_counts_those_steps():
+    """track_updates=3 counts steps 1, 4 and 7 of 7: the sums of what an
+    every-step optimizer on the same params counts at those steps."""
+    a, b = named_model(torch.bfloat16), named_model(torch.bfloat16)
+    oa = AdamW(a.parameters(), lr=1e-3, track_updates=3)
+    ob = AdamW(b.parameters(), lr=1e-3, track_updates=True)
+    gen = torch.Generator().manual_seed(1)
+    wanted = None
+    for step in range(7):
+        x = torch.randn(32, 16, generator=gen).to(torch.bfloat16)
+        for opt, model in ((oa, a), (ob, b)):
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+        every_step = ob.update_stats(reset=True)
+        if step % 3 == 0:
+            wanted = every_step.params if wanted is None else [
+                dataclasses.replace(w, elements=w.elements + e.elements,
+                                    updated=w.updated + e.updated, lost=w.lost + e.lost,
+                                    shrunk=w.shrunk + e.shrunk)
+                for w, e in zip(wanted, every_step.params)]
+    got = oa.update_stats().params
+    numel = [p.numel() for p in a.parameters()]
+    assert [r.elements for r in got] == [3 * n for n in numel]
+    assert [(r.elements, r.updated, r.lost, r.shrunk) for r in got] == \
+        [(r.elements, r.updated, r.lost, r.shrunk) for r in wanted]
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert_same_bits(x.detach(), y.detach())
+
+
 def test_track_updates_errors():
     p = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(TypeError, match="track_updates must be a bool"):
-        Adam(p, track_updates=1)
+    for bad in ("yes", 2.0, None):
+        with pytest.raises(TypeError, match="track_updates must be a bool or an int"):
+            Adam(p, track_updates=bad)
+    with pytest.raises(ValueError, match="track_updates must be >= 0"):
+        Adam(p, track_updates=-1)
     with pytest.raises(ValueError, match="track_updates=True cannot be used"):
         Adam(p, track_updates=True, differentiable=True)
+    opt = Adam(p, track_updates=2)
+    opt.param_groups[0]["track_updates"] = -2
+    p[0].grad = torch.ones(3)
+    with pytest.raises(ValueError, match="param group 0: track_updates must be >= 0.*nothing "
+                                         "was updated"):
+        opt.step()
+    assert torch.equal(p[0].detach(), torch.zeros(3))

@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(kAdamThreads)
       gj = PT::round(PT::widen(gj) * inv_scale);
       g[j] = gj;
     }
-    E::step_at(k, t, j, j, p, gj, m, v, vmax, c, tally);
+    ElementTally e;
+    E::step_at(k, t, j, j, p, gj, m, v, vmax, c, e);
+    if constexpr (kTrack) tally.add(e);
   }
   if constexpr (kTrack) {
     // Every thread of the block reaches this (no early return above).

@@ -169,7 +169,7 @@ def kahan_update(pv, p, c, u):
 # The entries of one param's update_stats tensor (int64), in the kernel's order.
 UPDATE_STAT_FIELDS = ("elements", "updated", "lost", "shrunk", "comp_sum", "comp_max")
 COMP_UNITS = 2 ** 20  # comp_sum and comp_max count |compensation| / ulp in 2^-20 units
-_COMP_CAP = float(2 ** 30)  # units: a ratio past 1024 ulp is clamped
+_COMP_CAP = float(2 ** 22)  # units: a ratio past 4 ulp is clamped
 
 
 def flip_last_bit(p):
@@ -180,8 +180,12 @@ def flip_last_bit(p):
 
 def _tally(stats, p, p_old, intended, mode, c):
     """AdamElement::tally_element over a tensor, added to stats: p and c after
-    the step, p_old the stored param before it, intended the float64 update."""
-    change = p.double() - p_old.double()
+    the step, p_old the stored param before it, intended the float64 update.
+    Counted in float32 for 16-bit params (intended rounded once to it), in
+    float64 for wider ones, as the kernel does."""
+    tally = torch.float32 if p.element_size() == 2 else torch.float64
+    intended = intended.to(tally)
+    change = p.to(tally) - p_old.to(tally)
     updated = (intended != 0) & (intended - intended == 0)
     add = [p.numel(), int(updated.sum()), int((updated & (change == 0)).sum()),
            int((updated & (2.0 * change.abs() < intended.abs())).sum()), 0]

@@ -22,15 +22,18 @@ class UpdateRecord:
     computed for it, weight decay included: ``-lr * m_hat / (sqrt(v_hat) +
     eps)`` in float32, minus ``lr * weight_decay * w`` under decoupled decay
     (AdamW; ``w`` the weight before the step, for ``"remainder"`` its float32
-    master). It is compared, in float64, with the change of the stored
-    parameter (for ``"remainder"`` the bfloat16 param, not its master).
+    master). It is compared with the change of the stored parameter (for
+    ``"remainder"`` the bfloat16 param, not its master): in float32 for
+    bfloat16 and float16 params (the intended update rounded once to it),
+    in float64 for wider ones.
 
     Attributes:
         group: the param group's index.
         index: the parameter's index in its group, None for a group total.
         name: the parameter's name where the optimizer was given
             ``named_parameters()``, else None.
-        elements: element-steps counted (elements times steps).
+        elements: element-steps counted (elements times the steps counted:
+            every step, or every N-th with ``track_updates=N``).
         updated: element-steps with a finite, non-zero intended update.
         lost: of those, the ones whose stored parameter did not change: the
             update was rounded away entirely (for the compensated modes it

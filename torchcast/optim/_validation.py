@@ -91,13 +91,26 @@ def check_arguments(name, lr, betas, eps, weight_decay, *, foreach, fused, captu
             check_seed(seed)
         except (TypeError, ValueError) as e:
             raise type(e)(f"torchcast.optim.{name}: {e}") from None
-    if not isinstance(track_updates, bool):
-        raise TypeError(f"torchcast.optim.{name}: track_updates must be a bool, got "
-                        f"{what(track_updates)}")
+    try:
+        check_track_updates(track_updates)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"torchcast.optim.{name}: {e}") from None
     if track_updates and differentiable:
         raise ValueError(f"torchcast.optim.{name}: differentiable=True runs torch's own Adam "
                          "step, which does not count lost updates; track_updates=True "
                          "cannot be used with it")
+
+
+def check_track_updates(track_updates) -> None:
+    """track_updates: a bool, or the interval in steps between counted steps."""
+    if isinstance(track_updates, bool):
+        return
+    if not isinstance(track_updates, int):
+        raise TypeError("track_updates must be a bool or an int (count every N-th step), "
+                        f"got {what(track_updates)}")
+    if track_updates < 0:
+        raise ValueError("track_updates must be >= 0 (0: off, N: count every N-th step), "
+                         f"got {track_updates}")
 
 
 def check_seed(seed) -> None:
@@ -203,6 +216,7 @@ def check_group(name, group, gi) -> None:
         check_number("eps", group["eps"])
         check_number("weight_decay", group["weight_decay"])
         check_seed(group.get("seed", 0))
+        check_track_updates(group.get("track_updates", False))
     except (TypeError, ValueError) as e:
         raise type(e)(f"torchcast.optim.{name}: param group {gi}: {e}; "
                       "nothing was updated") from None

@@ -118,11 +118,13 @@ class Adam(Optimizer):
             state dict (which keeps the seed in its param groups) continues
             bit for bit. None draws one from torch's default generator
             (``torch.manual_seed`` governs it) (default: None).
-        track_updates (bool, optional): whether the step also counts, per
-            param and in the same pass, the updates that rounding lost or
+        track_updates (bool or int, optional): whether the step also counts,
+            per param and in the same pass, the updates that rounding lost or
             shrank and the compensation carried, into a small int64 tensor
             on the param's device, read by ``update_stats()`` (no host sync
-            per step; docs/adam.md, "Update accounting") (default: False).
+            per step; docs/adam.md, "Update accounting"). True counts every
+            step; an int N counts every N-th step (the first, the N+1-th,
+            ...), which divides the counting's cost by N (default: False).
         compensation (str, optional): "kahan" keeps a buffer of the param's
             dtype with what the last rounding lost; "remainder" (bfloat16
             params only) keeps the low 16 bits of a float32 master weight as
@@ -183,7 +185,7 @@ class Adam(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 track_updates: bool = False, state_dtype: Optional[torch.dtype] = None,
+                 track_updates: Union[bool, int] = False, state_dtype: Optional[torch.dtype] = None,
                  cast_grads: bool = False, decoupled_weight_decay: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
@@ -199,6 +201,7 @@ class Adam(Optimizer):
             seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
         self._valid_configs = set()  # (options, dtype) already checked by _check_param
         self._update_counters = {}  # param -> int64 counter (track_updates), made at its step
+        self._steps_taken = 0  # step() calls: which ones track_updates=N counts
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, compensated=compensated,
                         compensation=compensation, seed=seed, track_updates=track_updates,
@@ -239,6 +242,7 @@ class Adam(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_valid_configs", set())
         self.__dict__.setdefault("_update_counters", {})
+        self.__dict__.setdefault("_steps_taken", 0)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -393,7 +397,8 @@ class Adam(Optimizer):
                 self._torch_step(group, items, grad_scale, found_inf)
                 continue
             amsgrad = bool(group["amsgrad"])
-            track = bool(group["track_updates"])
+            every = int(group["track_updates"])
+            track = every > 0 and self._steps_taken % every == 0
             batches = {}  # (device, dtype, state dtype, mode) -> _Batch
             for p, g in items:
                 plain = not (p.is_complex() or is_dtensor(p))
@@ -427,7 +432,8 @@ class Adam(Optimizer):
                     b.update_stats.append(counter)
             for bi, ((device, _, _, mode), batch) in enumerate(batches.items()):
                 seed = _stream_seed(group["seed"], gi, bi) if mode == "stochastic" else 0
-                self._launch(group, device, mode, batch, grad_scale, found_inf, seed)
+                self._launch(group, device, mode, batch, grad_scale, found_inf, seed, track)
+        self._steps_taken += 1
         return loss
 
     def _torch_step(self, group, items, grad_scale, found_inf):
@@ -453,7 +459,7 @@ class Adam(Optimizer):
                    weight_decay=group["weight_decay"], eps=group["eps"],
                    maximize=bool(group["maximize"]))
 
-    def _launch(self, group, device, mode, batch, grad_scale, found_inf, seed):
+    def _launch(self, group, device, mode, batch, grad_scale, found_inf, seed, track):
         beta1, beta2 = group["betas"]
         _ops.adam_step_(
             batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
@@ -464,7 +470,7 @@ class Adam(Optimizer):
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device), seed=seed,
-            update_stats=batch.update_stats if group["track_updates"] else None)
+            update_stats=batch.update_stats if track else None)
 
     def update_stats(self, reset: bool = False) -> UpdateStats:
         """What rounding did to the updates of the params stepped with
@@ -659,7 +665,7 @@ class AdamW(Adam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 track_updates: bool = False, state_dtype: Optional[torch.dtype] = None,
+                 track_updates: Union[bool, int] = False, state_dtype: Optional[torch.dtype] = None,
                  cast_grads: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False):
