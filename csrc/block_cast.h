@@ -101,13 +101,22 @@ TC_HD uint32_t mx_scale_bits(W amax, ScaleMode mode) {
   return static_cast<uint32_t>(e + 127);
 }
 
-// 2^(bits - 127) as a W: the divisor of an MX block's elements. bits 0 is
-// 2^-127 (a float32 subnormal), bits 255 (NaN) divides as inf: every finite
-// element of a NaN block becomes 0, and NaN or inf ones NaN.
+// 2^(bits - 127) as a W. bits 0 is 2^-127 (a float32 subnormal).
 template <typename W>
 TC_HD W e8m0_divisor(uint32_t bits) {
   const float f = bits == 0u ? bit_cast<float>(0x00400000u) : bit_cast<float>(bits << 23);
   return static_cast<W>(f);
+}
+
+// 2^(127 - bits) as a W, exactly the reciprocal of e8m0_divisor, so that
+// x times it is x divided by the scale (the same exact value, rounded once).
+// bits 254 gives 2^-127 (a float32 subnormal); bits 255 (NaN) gives 0, which
+// turns every finite element of a NaN block into 0 and NaN or inf ones into
+// NaN, as dividing by inf would.
+template <typename W>
+TC_HD W e8m0_multiplier(uint32_t bits) {
+  const uint32_t u = bits == 255u ? 0u : (bits == 254u ? 0x00400000u : (254u - bits) << 23);
+  return static_cast<W>(bit_cast<float>(u));
 }
 
 // The value of an e8m0 scale in float64 (NaN for 0xff).
@@ -130,6 +139,14 @@ template <typename Elem>
 TC_HD uint32_t element_bits(double v, bool& saturated) {
   return element_bits<Elem>(float_round_to_odd(v), saturated);
 }
+
+// What one element of a block becomes and loses: its bits, and its terms of
+// the statistics (counts 0 or 1; the error terms 0 where not measured).
+struct ElementFacts {
+  uint32_t bits;
+  int32_t nan, inf, inexact, overflow, saturated, underflow, subnormal;
+  double err, rel, amax, sq;
+};
 
 // What the elements of a run of blocks lost: cast_with_stats' statistics
 // (StatIndex, numerics.h) and the per-block counts, all exact but the sums
@@ -158,6 +175,22 @@ struct Tally {
     for (int i = 0; i < kNumBlockCounts; ++i) blocks[i] += o.blocks[i];
   }
 
+  TC_HD void add(const ElementFacts& f) {
+    nan += f.nan;
+    inf += f.inf;
+    inexact += f.inexact;
+    overflow += f.overflow;
+    saturated += f.saturated;
+    underflow += f.underflow;
+    subnormal += f.subnormal;
+    max_abs_err = f.err > max_abs_err ? f.err : max_abs_err;
+    max_rel_err = f.rel > max_rel_err ? f.rel : max_rel_err;
+    amax = f.amax > amax ? f.amax : amax;
+    sum_abs_err += f.err;
+    sum_sq_err += f.err * f.err;
+    sum_sq += f.sq;
+  }
+
   // The stats tensor's values (StatIndex order), with cast_with_stats' rule
   // that the maxima are inf when every finite x overflowed.
   TC_HD void write(double* out, double numel) const {
@@ -180,15 +213,20 @@ struct Tally {
   }
 };
 
-// One block of n elements x[0], x[1], ... (Src: a
-// SourceFormat): writes its elements to data (one byte each, or for a 4-bit
-// element two a byte, the first in the low nibble; n odd leaves the last high
-// nibble 0), adds to t, and returns the scale's bits. tensor_scale: NVFP4's
-// float32 tensor scale (ignored for MX).
-template <typename BF, typename Src>
-TC_HD uint32_t cast_block(const typename Src::storage* x, int n, ScaleMode mode,
-                          float tensor_scale, uint8_t* data, Tally& t) {
-  using Elem = typename BF::element;
+// A block's scale, from its amax: its bits, the multiplier that maps an x
+// to the element's unrounded value, and what one unit of an element stands
+// for (the scale, times NVFP4's tensor scale) in float64.
+template <typename W>
+struct BlockScale {
+  uint32_t bits;
+  W multiplier;
+  double value;
+  bool nan;
+};
+
+// The largest |x| of a block of n elements, NaN if any is NaN.
+template <typename Src>
+TC_HD typename Src::wide block_amax(const typename Src::storage* x, int n) {
   using W = typename Src::wide;
   W amax = W(0);
   bool any_nan = false;
@@ -198,82 +236,106 @@ TC_HD uint32_t cast_block(const typename Src::storage* x, int n, ScaleMode mode,
     const W a = fabs(v);
     amax = a > amax ? a : amax;
   }
-  const W nan = static_cast<W>(bit_cast<float>(0x7fc00000u));
-  amax = any_nan ? nan : amax;
+  return any_nan ? static_cast<W>(bit_cast<float>(0x7fc00000u)) : amax;
+}
 
-  uint32_t scale_bits;
-  W divisor = W(1), factor = W(1);  // element = x / divisor * factor
-  double scale_value;                // what an element stands for, times it
-  bool nan_scale;
+// tensor_scale: NVFP4's float32 tensor scale (ignored for MX).
+template <typename BF, typename W>
+TC_HD BlockScale<W> block_scale(W amax, ScaleMode mode, float tensor_scale) {
+  using Elem = typename BF::element;
+  BlockScale<W> s;
   if constexpr (BF::kKind == BlockKind::kMx) {
-    scale_bits = mx_scale_bits<Elem, W>(amax, mode);
-    divisor = e8m0_divisor<W>(scale_bits);
-    scale_value = e8m0_value(scale_bits);
-    nan_scale = scale_bits == FormatE8M0::kNaN;
+    s.bits = mx_scale_bits<Elem, W>(amax, mode);
+    s.multiplier = e8m0_multiplier<W>(s.bits);
+    s.value = e8m0_value(s.bits);
+    s.nan = s.bits == FormatE8M0::kNaN;
   } else {
     const W pts = static_cast<W>(tensor_scale);
     const W scaled = (amax / W(6)) / pts;
     const W lo = static_cast<W>(FormatE4M3FN::kMinNormal), hi = static_cast<W>(FormatE4M3FN::kMax);
     const W clamped = scaled != scaled ? scaled : (scaled < lo ? lo : (scaled > hi ? hi : scaled));
     bool unused;
-    scale_bits = element_bits<FormatE4M3FN>(clamped, unused);
-    const float s = float_from_float8_bits<FormatE4M3FN>(static_cast<uint8_t>(scale_bits));
-    factor = (W(1) / pts) / static_cast<W>(s);
-    scale_value = static_cast<double>(s) * static_cast<double>(tensor_scale);
-    nan_scale = s != s;
+    s.bits = element_bits<FormatE4M3FN>(clamped, unused);
+    const float f = float_from_float8_bits<FormatE4M3FN>(static_cast<uint8_t>(s.bits));
+    s.multiplier = (W(1) / pts) / static_cast<W>(f);
+    s.value = static_cast<double>(f) * static_cast<double>(tensor_scale);
+    s.nan = f != f;
   }
+  return s;
+}
 
-  double underflows = 0;
-  bool any_saturated = false;
-  for (int i = 0; i < n; ++i) {
-    const W xv = Src::widen(x[i]);
-    const W v = BF::kKind == BlockKind::kMx ? xv / divisor : xv * factor;
-    bool sat;
-    const uint32_t bits = element_bits<Elem>(v, sat);
-    if constexpr (Elem::kBits == 4) {
-      if (i % 2 == 0) {
-        data[i / 2] = static_cast<uint8_t>(bits);
-      } else {
-        data[i / 2] = static_cast<uint8_t>(data[i / 2] | (bits << 4));
-      }
-    } else {
-      data[i] = static_cast<uint8_t>(bits);
-    }
-    const float ev = float_from_float8_bits<Elem>(static_cast<uint8_t>(bits));
-    const double y = static_cast<double>(ev) * scale_value;
-    const double xd = static_cast<double>(xv);
-    const bool x_nan = xv != xv;
-    const bool x_finite = (xv - xv) == W(0);
-    const bool y_finite = (y - y) == 0.0;
-    const bool measured = x_finite & y_finite;
-    const bool under = (xv != W(0)) & !x_nan & (y == 0.0);
-    t.nan += x_nan;
-    t.inf += !x_nan & !x_finite;
-    t.inexact += x_finite & (y != xd);
-    t.overflow += x_finite & !y_finite;
-    t.saturated += sat;
-    t.underflow += under;
-    t.subnormal += (y == y) & (ev != 0.f) & (fabsf(ev) < Elem::kMinNormal);
-    const double err = measured ? fabs(xd - y) : 0.0;
-    const double rel = (measured & (xd != 0.0)) ? err / fabs(xd) : 0.0;
-    t.max_abs_err = err > t.max_abs_err ? err : t.max_abs_err;
-    t.max_rel_err = rel > t.max_rel_err ? rel : t.max_rel_err;
-    const double a = x_finite ? fabs(xd) : 0.0;
-    t.amax = a > t.amax ? a : t.amax;
-    t.sum_abs_err += err;
-    t.sum_sq_err += err * err;
-    t.sum_sq += measured ? xd * xd : 0.0;
-    underflows += under;
-    any_saturated |= sat;
-  }
+template <typename BF, typename Src>
+TC_HD ElementFacts cast_element(typename Src::wide xv, const BlockScale<typename Src::wide>& s) {
+  using Elem = typename BF::element;
+  using W = typename Src::wide;
+  ElementFacts f;
+  bool sat;
+  f.bits = element_bits<Elem>(xv * s.multiplier, sat);
+  const float ev = float_from_float8_bits<Elem>(static_cast<uint8_t>(f.bits));
+  const double y = static_cast<double>(ev) * s.value;
+  const double xd = static_cast<double>(xv);
+  const bool x_nan = xv != xv;
+  const bool x_finite = (xv - xv) == W(0);
+  const bool y_finite = (y - y) == 0.0;
+  const bool measured = x_finite & y_finite;
+  f.nan = x_nan;
+  f.inf = !x_nan & !x_finite;
+  f.inexact = x_finite & (y != xd);
+  f.overflow = x_finite & !y_finite;
+  f.saturated = sat;
+  f.underflow = (xv != W(0)) & !x_nan & (y == 0.0);
+  f.subnormal = (y == y) & (ev != 0.f) & (fabsf(ev) < Elem::kMinNormal);
+  f.err = measured ? fabs(xd - y) : 0.0;
+  f.rel = (measured & (xd != 0.0)) ? f.err / fabs(xd) : 0.0;
+  f.amax = x_finite ? fabs(xd) : 0.0;
+  f.sq = measured ? xd * xd : 0.0;
+  return f;
+}
+
+// Stores element i's bits: one byte, or for a 4-bit element a nibble (the
+// first of a byte in the low nibble; the high nibble of the last byte of an
+// odd-length block stays 0).
+template <typename Elem>
+TC_HD void store_element(uint8_t* data, int i, uint32_t bits) {
   if constexpr (Elem::kBits == 4) {
-    if (n % 2 == 1) data[n / 2] &= 0x0fu;
+    if (i % 2 == 0) {
+      data[i / 2] = static_cast<uint8_t>(bits);
+    } else {
+      data[i / 2] = static_cast<uint8_t>(data[i / 2] | (bits << 4));
+    }
+  } else {
+    data[i] = static_cast<uint8_t>(bits);
   }
+}
+
+// The per-block counts of a block of n elements.
+TC_HD void count_block(Tally& t, int n, double underflows, bool any_saturated, bool nan_scale) {
   t.blocks[kBlocks] += 1;
   t.blocks[kSaturatedBlocks] += any_saturated;
   t.blocks[kUnderflowBlocks] += 2 * underflows > n;
   t.blocks[kNanBlocks] += nan_scale;
-  return scale_bits;
+}
+
+// One block of n elements x[0], x[1], ..., element by element (the CUDA
+// kernel's loop; the CPU's is csrc/cpu/block_cast.cpp's, over the same
+// pieces): writes its elements to data, adds to t in element order, and
+// returns the scale's bits.
+template <typename BF, typename Src>
+TC_HD uint32_t cast_block(const typename Src::storage* x, int n, ScaleMode mode,
+                          float tensor_scale, uint8_t* data, Tally& t) {
+  using W = typename Src::wide;
+  const BlockScale<W> s = block_scale<BF, W>(block_amax<Src>(x, n), mode, tensor_scale);
+  double underflows = 0;
+  bool any_saturated = false;
+  for (int i = 0; i < n; ++i) {
+    const ElementFacts f = cast_element<BF, Src>(Src::widen(x[i]), s);
+    store_element<typename BF::element>(data, i, f.bits);
+    t.add(f);
+    underflows += f.underflow;
+    any_saturated |= f.saturated != 0;
+  }
+  count_block(t, n, underflows, any_saturated, s.nan);
+  return s.bits;
 }
 
 }  // namespace block

@@ -1,5 +1,6 @@
 // block_cast on the CPU: one pass over x, a block at a time (its amax, its
-// scale, its elements and what they lost, block_cast.h), parallel over
+// scale, its elements and what they lost: block_cast.h's pieces, the loops
+// vectorized), parallel over
 // fixed runs of blocks whose tallies merge in order, so that the result does
 // not depend on the thread count.
 #include <ATen/ATen.h>
@@ -12,12 +13,93 @@
 #include <vector>
 
 #include "../block_cast_common.h"
+#include "simd.h"
 
 namespace torchcast {
 namespace {
 
 // Blocks per task: the unit of parallel work and of the merge order.
 constexpr int64_t kTaskBlocks = 2048;
+// Elements whose bits are staged before they are stored (even: 4-bit
+// elements pack in pairs).
+constexpr int kPiece = 256;
+
+// The largest |x| of a block, NaN if any is NaN (block::block_amax,
+// vectorized).
+template <typename Src>
+TC_CPU_CLONES typename Src::wide amax_of(const typename Src::storage* __restrict__ x, int n) {
+  using W = typename Src::wide;
+  W amax = W(0);
+  int any_nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : any_nan)
+  for (int i = 0; i < n; ++i) {
+    const W v = Src::widen(x[i]);
+    any_nan |= v != v;
+    const W a = fabs(v);
+    amax = a > amax ? a : amax;
+  }
+  return any_nan ? static_cast<W>(bit_cast<float>(0x7fc00000u)) : amax;
+}
+
+// One block: block::cast_block's pieces with its element loop vectorized.
+// Counts and maxima are cast_block's; the sums are added lane by lane (within
+// rounding of its element-order sums), the same way whatever the threads.
+template <typename BF, typename Src>
+TC_CPU_CLONES uint32_t cast_block_simd(const typename Src::storage* __restrict__ x, int n,
+                                       block::ScaleMode mode, float tensor_scale,
+                                       uint8_t* __restrict__ data, block::Tally& t) {
+  using W = typename Src::wide;
+  using Elem = typename BF::element;
+  const block::BlockScale<W> s = block::block_scale<BF, W>(amax_of<Src>(x, n), mode, tensor_scale);
+  int32_t nan = 0, inf = 0, inexact = 0, overflow = 0, saturated = 0, underflow = 0,
+          subnormal = 0;
+  double max_abs = 0, max_rel = 0, amax = 0, sum_abs = 0, sum_sq_err = 0, sum_sq = 0;
+  uint8_t bits[kPiece];
+  for (int base = 0; base < n; base += kPiece) {
+    const int len = std::min(kPiece, n - base);
+#pragma omp simd reduction(+ : nan, inf, inexact, overflow, saturated, underflow, subnormal, \
+                               sum_abs, sum_sq_err, sum_sq) reduction(max : max_abs, max_rel, amax)
+    for (int i = 0; i < len; ++i) {
+      const block::ElementFacts f = block::cast_element<BF, Src>(Src::widen(x[base + i]), s);
+      bits[i] = static_cast<uint8_t>(f.bits);
+      nan += f.nan;
+      inf += f.inf;
+      inexact += f.inexact;
+      overflow += f.overflow;
+      saturated += f.saturated;
+      underflow += f.underflow;
+      subnormal += f.subnormal;
+      max_abs = f.err > max_abs ? f.err : max_abs;
+      max_rel = f.rel > max_rel ? f.rel : max_rel;
+      amax = f.amax > amax ? f.amax : amax;
+      sum_abs += f.err;
+      sum_sq_err += f.err * f.err;
+      sum_sq += f.sq;
+    }
+    if constexpr (Elem::kBits == 4) {
+      uint8_t* out = data + base / 2;
+      for (int i = 0; i + 1 < len; i += 2) out[i / 2] = static_cast<uint8_t>(bits[i] | (bits[i + 1] << 4));
+      if (len % 2 == 1) out[len / 2] = bits[len - 1];
+    } else {
+      std::memcpy(data + base, bits, static_cast<size_t>(len));
+    }
+  }
+  t.nan += nan;
+  t.inf += inf;
+  t.inexact += inexact;
+  t.overflow += overflow;
+  t.saturated += saturated;
+  t.underflow += underflow;
+  t.subnormal += subnormal;
+  t.max_abs_err = std::max(t.max_abs_err, max_abs);
+  t.max_rel_err = std::max(t.max_rel_err, max_rel);
+  t.amax = std::max(t.amax, amax);
+  t.sum_abs_err += sum_abs;
+  t.sum_sq_err += sum_sq_err;
+  t.sum_sq += sum_sq;
+  block::count_block(t, n, underflow, saturated > 0, s.nan);
+  return s.bits;
+}
 
 struct TaskTally {
   block::Tally tally;
@@ -47,8 +129,8 @@ struct CpuBlockCast {
           const int len = static_cast<int>(std::min(block, n - start));
           uint8_t* out = BF::element::kBits == 4 ? dp + row * row_bytes + start / 2
                                                  : dp + row * row_bytes + start;
-          const uint32_t bits = block::cast_block<BF, Src>(xp + row * n + start, len, plan.mode,
-                                                           tensor_scale, out, part.tally);
+          const uint32_t bits = cast_block_simd<BF, Src>(xp + row * n + start, len, plan.mode,
+                                                         tensor_scale, out, part.tally);
           sp[b] = static_cast<uint8_t>(bits);
           part.hist[bits] += 1;
         }
