@@ -47,6 +47,7 @@ origin is undecided; on a GPU, with ops still awaiting their flags,
 those are read first: one sync per top-level call, backward and
 optimizer step.
 """
+import functools
 import inspect
 import threading
 import weakref
@@ -380,7 +381,13 @@ def _reached_error(origins: List[NonFiniteOrigin], at: str) -> NonFiniteError:
 def _forward_of(module: torch.nn.Module) -> tuple:
     """(name, file, line) of ``module``'s forward method, e.g.
     ("Linear.forward", ".../linear.py", 124)."""
-    kind = type(module)
+    return _class_forward(type(module))
+
+
+@functools.lru_cache(maxsize=4096)
+def _class_forward(kind: type) -> tuple:
+    """_forward_of by class: looked up once per class, not unwrapped again at
+    every module call."""
     name = f"{kind.__name__}.forward"
     forward = getattr(kind, "forward", None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
