@@ -234,21 +234,24 @@ class PrecisionPlan:
         return format_table(head, rows, left=3)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The plan as JSON-ready data (inf SQNR as the string "inf")."""
+        """The plan as JSON-ready data: the measures with their SQNR (inf as
+        the string "inf"), and per recipe each layer's reasons to stay in
+        bf16 (empty: it passes)."""
         def number(x):
             return x if math.isfinite(x) else str(x)
         return {"layers": list(self.layers), "recipes": list(self.recipes),
                 "min_sqnr_db": dict(self.min_sqnr_db), "max_underflow": dict(self.max_underflow),
                 "max_overflow": self.max_overflow,
                 "measures": [{"layer": k[0], "recipe": k[1], "role": k[2],
-                              **{f: number(v) for f, v in dataclasses.asdict(m).items()}}
+                              **{f: number(v) for f, v in dataclasses.asdict(m).items()},
+                              "sqnr_db": number(m.sqnr_db)}
                              for k, m in self.measures.items()],
                 "verdicts": {r: {layer: self.reasons(layer, r) for layer in self.layers}
                              for r in self.recipes}}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "PrecisionPlan":
-        """Reads back ``to_dict``'s form (the verdicts are recomputed)."""
+        """Reads back ``to_dict``'s form (SQNR and verdicts are recomputed)."""
         measures = {}
         for e in d["measures"]:
             measures[(e["layer"], e["recipe"], e["role"])] = Measure(
