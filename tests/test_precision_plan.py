@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import torchcast
-from torchcast.plan import Measure, float8_measure, recipe_measure
+from torchcast.plan import (DEFAULT_MAX_UNDERFLOW, DEFAULT_MIN_SQNR_DB, Measure, float8_measure,
+                            recipe_measure)
 from torchcast.stats import CastStats
 
 torchao_float8 = pytest.importorskip("torchao.float8")
@@ -137,7 +138,7 @@ def test_rejects_exactly_the_outlier_layer(captured):
     flushed = {r: plan.measures[("0", r, "input")].underflow_fraction
                for r in ("tensorwise", "mxfp8")}
     assert 0.01 < flushed["mxfp8"] < flushed["tensorwise"] / 3
-    assert "keep bf16" in str(plan) and "fp8 ok" in str(plan)
+    assert "keep bf16" in str(plan) and "convert" in str(plan)
 
 
 def test_filter_converts_exactly_the_planned_layers(captured):
@@ -211,3 +212,17 @@ def test_plan_inside_track_records_none_of_its_casts():
     with torchcast.track(all_casts=True, policy="record") as report:
         torchcast.precision_plan(model, step_of(model, x), recipes="tensorwise")
     assert report.records == []
+
+
+@pytest.mark.parametrize("recipe, role, sqnr, flushed", [
+    ("tensorwise", "input", 31.6, 9.5e-6), ("tensorwise", "grad_output", 25.6, 0.0),
+    ("rowwise", "input", 31.5, 8.6e-6), ("mxfp8", "input", 31.5, 7.6e-6),
+    ("nvfp4", "input", 20.4, 0.068)])
+def test_default_thresholds_sit_below_a_normal_tensor(recipe, role, sqnr, flushed):
+    # The figures plan.py and docs/precision_plan.md derive the defaults from.
+    torch.manual_seed(0)
+    m = recipe_measure(torch.randn(1024, 512), recipe, role)
+    assert m.sqnr_db == pytest.approx(sqnr, abs=0.05)
+    assert m.underflow_fraction == pytest.approx(flushed, rel=0.02)
+    assert m.sqnr_db - DEFAULT_MIN_SQNR_DB[recipe] >= 7.5
+    assert m.underflow_fraction < DEFAULT_MAX_UNDERFLOW[recipe] * 0.7

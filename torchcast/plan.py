@@ -21,8 +21,8 @@ from .block import block_cast
 from .tracker.own import unwatched
 from .tracker.text_table import format_table, percent
 
-__all__ = ["DEFAULT_MAX_OVERFLOW", "DEFAULT_MAX_UNDERFLOW", "DEFAULT_MIN_SQNR_DB", "Measure", "PrecisionPlan", "RECIPES", "ROLES",
-           "precision_plan"]
+__all__ = ["DEFAULT_MAX_OVERFLOW", "DEFAULT_MAX_UNDERFLOW", "DEFAULT_MIN_SQNR_DB", "Measure",
+           "PrecisionPlan", "RECIPES", "ROLES", "precision_plan"]
 
 RECIPES = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
 ROLES = ("input", "weight", "grad_output")
@@ -31,7 +31,7 @@ ROLES = ("input", "weight", "grad_output")
 # (e4m3) and 25.6 dB (e5m2 gradients), rowwise and MXFP8 31.5 dB, NVFP4
 # 20.4 dB. The SQNR floor is about 8 dB under the recipe's worst role there
 # (an RMS error 2.5 times an ordinary tensor's fails). Underflow: a normal
-# tensor flushes 1e-5 of its elements in the float8 recipes and 6.8% in
+# tensor flushes under 1e-5 of its elements in the float8 recipes, 6.8% in
 # NVFP4 (e2m1 flushes what lies under 1/24 of its block's amax).
 DEFAULT_MIN_SQNR_DB = {"tensorwise": 18.0, "rowwise": 23.0, "mxfp8": 23.0, "nvfp4": 12.0}
 DEFAULT_MAX_UNDERFLOW = {"tensorwise": 0.01, "rowwise": 0.01, "mxfp8": 0.01, "nvfp4": 0.10}
@@ -225,7 +225,7 @@ class PrecisionPlan:
         rows = [("layer", "recipe", "role", "SQNR", "flushed to 0", "saturated", "verdict")]
         for layer in self.layers:
             for recipe in self.recipes:
-                verdict = "fp8 ok" if self.passes(layer, recipe) else "keep bf16"
+                verdict = "convert" if self.passes(layer, recipe) else "keep bf16"
                 for role in ROLES:
                     m = self.measures[(layer, recipe, role)]
                     rows.append((layer, recipe, role, f"{m.sqnr_db:.1f} dB",
