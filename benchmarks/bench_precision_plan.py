@@ -138,7 +138,8 @@ def main():
     for recipe in args.recipes:
         for layer, why in plan.keep_in_bf16(recipe) or [("none", "")]:
             lines.append(f"- {recipe}: `{layer}`" + (f": {why}" if why else ""))
-    lines += [""] + [f"- {v}" for v in verdicts]
+    lines += ["", "The claim:", ""] + [f"- {v}" for v in verdicts]
+    lines += ["", "The plan (one training step; `print(plan)`):", "", "```", str(plan), "```"]
     lines += ["", f"torch {torch.__version__}, torchao "
               f"{__import__('torchao').__version__}, CPU, {seconds:.0f} s of training. Command: "
               f"`python benchmarks/bench_precision_plan.py --steps {args.steps} --outlier "
