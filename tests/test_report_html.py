@@ -155,6 +155,32 @@ def test_renders_from_saved_json(report):
     assert expected_bars(again.to_dict()) == expected_bars(data)
 
 
+def test_shows_a_precision_plan(report, tmp_path):
+    """to_html(plan=...): per recipe the layers kept in bf16 with their
+    reasons, and a row per layer and recipe, failing cells marked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    x = torch.randn(64, 64)
+    x[:, 0] = 1e5  # flushes most of layer 0's input in tensorwise float8
+    plan = torchcast.precision_plan(model, lambda: model(x).sum().backward(),
+                                    recipes=("tensorwise", "mxfp8"))
+    path = tmp_path / "report.html"
+    report.to_html(str(path), plan=plan)
+    text = path.read_text(encoding="utf-8")
+    page = parse(text)
+    assert "script" not in page.tags and page.urls == []
+    body = " ".join(page.text)
+    assert "Precision plan" in body and "tensorwise: SQNR" in body
+    why = plan.keep_in_bf16("tensorwise")
+    assert [layer for layer, _ in why] == ["0"] and f"({why[0][1]})" in body
+    assert "1 of 2 layers in low precision" in body
+    rows = [c for t, c in page.classes if t == "tr" and c == "violation"]
+    assert len(rows) == sum(1 for r in ("tensorwise", "mxfp8") for layer in plan.layers
+                            if not plan.passes(layer, r))
+    assert "Precision plan" not in render_html(report.to_dict())
+
+
 @needs_chromium
 def test_chromium_loads_it(report, tmp_path):
     path, png = tmp_path / "report.html", tmp_path / "report.png"

@@ -25,3 +25,8 @@ from .audit import AuditReport, Finding, audit  # noqa: E402
 
 __all__ += ["AuditReport", "Finding", "NonFiniteError", "NonFiniteWarning", "Record", "Report",
             "audit", "track"]
+
+# precision_plan measures each nn.Linear under torchao's low-precision recipes.
+from .plan import PrecisionPlan, precision_plan  # noqa: E402
+
+__all__ += ["PrecisionPlan", "precision_plan"]

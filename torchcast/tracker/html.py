@@ -24,6 +24,7 @@ from .html_health import (binades_to_max, block_headroom_section, headroom_secti
                           health_section, module_names, nonfinite_count, same_measures)
 from .html_parts import (counted, ellipsize, esc, html_table, module_tail, number, short_dtype,
                          titled)
+from .html_plan import plan_section
 from .nonfinite_origin import reach_rank
 from .sites import short_path
 from .updates import ADVICE, LOST_NOTABLE, notable, row_label
@@ -280,11 +281,12 @@ def _updates(data: Dict[str, Any]) -> str:
                           "comp mean (ulp)", "comp max (ulp)"], cells) + advice)
 
 
-def render_html(data: Dict[str, Any]) -> str:
+def render_html(data: Dict[str, Any], plan: Optional[Dict[str, Any]] = None) -> str:
     """The page for a report.
 
     Args:
         data: ``Report.to_dict()`` (or the same read from its JSON).
+        plan: ``PrecisionPlan.to_dict()``, shown after the headroom tables.
 
     Returns:
         The HTML text (UTF-8).
@@ -314,6 +316,7 @@ def render_html(data: Dict[str, Any]) -> str:
             + (f'<section id="origins">{origins_html}</section>' if origins_html else "")
             + _casts(data) + health_section(data, _origin_module(data))
             + headroom_section(data) + block_headroom_section(data)
+            + (plan_section(plan) if plan is not None else "")
             + (f'<section id="updates">{_updates(data)}</section>' if data.get("updates") else "")
             + (f'<section id="regions">{regions}</section>' if regions else "")
             + "</body></html>")

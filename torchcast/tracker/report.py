@@ -399,16 +399,20 @@ class Report:
         """
         write_text(path, self.to_json(**kwargs))
 
-    def to_html(self, path: str) -> None:
+    def to_html(self, path: str, plan: Any = None) -> None:
         """Writes the report as one self-contained HTML page (inline CSS and
         SVG; no script, nothing fetched): non-finite origins, the cast sites,
-        each module's exponent histogram over the formats' windows, headroom.
+        each module's exponent histogram over the formats' windows, headroom,
+        and a precision plan when one is given.
 
         Args:
             path: the file to write (atomically: the page is rendered first,
                 so a failure leaves no empty or partial file).
+            plan: a ``torchcast.PrecisionPlan`` (from ``precision_plan``) to
+                show: which nn.Linear to keep in bf16 per recipe, and why.
         """
-        write_text(path, render_html(self.to_dict()))
+        write_text(path, render_html(self.to_dict(),
+                                     plan.to_dict() if plan is not None else None))
 
     def to_tensorboard(self, writer: Any, step: int, prefix: str = "torchcast") -> None:
         """Writes the report's figures as scalars and histograms at ``step``
