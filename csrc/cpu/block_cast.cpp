@@ -1,6 +1,5 @@
 // block_cast on the CPU: one pass over x, a block at a time (its amax, its
-// scale, its elements and what they lost: block_cast.h's pieces, the loops
-// vectorized), parallel over
+// scale, its elements and what they lost: block_cast.h's pieces), parallel over
 // fixed runs of blocks whose tallies merge in order, so that the result does
 // not depend on the thread count.
 #include <ATen/ATen.h>
@@ -41,9 +40,11 @@ TC_CPU_CLONES typename Src::wide amax_of(const typename Src::storage* __restrict
   return any_nan ? static_cast<W>(bit_cast<float>(0x7fc00000u)) : amax;
 }
 
-// One block: block::cast_block's pieces with its element loop vectorized.
-// Counts and maxima are cast_block's; the sums are added lane by lane (within
-// rounding of its element-order sums), the same way whatever the threads.
+// One block: block::cast_block's pieces, the element loop an omp simd loop
+// whose sums may be added lane by lane (within rounding of cast_block's
+// element-order sums; the same whatever the threads). Counts and maxima are
+// cast_block's. gcc vectorizes this loop under -march=x86-64-v4 but not in
+// its target clones (objdump of the v4 clone: scalar), so it runs scalar.
 template <typename BF, typename Src>
 TC_CPU_CLONES uint32_t cast_block_simd(const typename Src::storage* __restrict__ x, int n,
                                        block::ScaleMode mode, float tensor_scale,
