@@ -168,9 +168,10 @@ enum UpdateStat : int {
 // CPU and CUDA tallies agree bit for bit; 2^43 element-steps at a full ulp
 // each before an int64 fills.
 constexpr float kCompUnits = 1048576.0f;
-// 2^22 units: a ratio past 4 ulp (never seen: a compensation is within an
-// ulp) is clamped, so that a ratio converts to int32, which AVX2 vectorizes,
-// and kTallyBlock of them add up in an int32.
+// 2^22 units: a ratio past 4 ulp (a compensation is within an ulp of the
+// param it was made beside; more only where the param has just fallen by
+// binades) is clamped, so that a ratio converts to int32, which AVX2
+// vectorizes, and kTallyBlock of them add up in an int32.
 constexpr float kCompCap = 4194304.0f;
 constexpr int64_t kTallyBlock = 256;
 
