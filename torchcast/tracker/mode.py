@@ -114,7 +114,7 @@ if _eval_frame is not None:
 def _run_op(recorders, func, args, kwargs):
     """One op as PyTorch runs it: a cast reported to the all_casts
     recorders, a failing op's dtype-mismatch note, a float64 promotion."""
-    if id(func) in _CAST_IDS and recorders:
+    if id(func) in _CAST_IDS and recorders and not unwatched.active():
         return _tracked_cast(recorders, func, args, kwargs or {})
     try:  # free unless the op raises
         if type(func) is _OpOverload:  # OpOverload.__call__ is just this, one frame more
@@ -127,7 +127,7 @@ def _run_op(recorders, func, args, kwargs):
                 getattr(func, "name", lambda: str(func))(),
                 list(args) + list((kwargs or {}).values()), sys._getframe(1)))
         raise
-    if recorders and type(out) is _Tensor and out.dtype is _FLOAT64:
+    if recorders and type(out) is _Tensor and out.dtype is _FLOAT64 and not unwatched.active():
         _record_promotion(recorders, op_name(func), args, out, sys._getframe(2))
     return out
 
