@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .block import block_cast
+from .stats import sqnr_db_of
 from .tracker.own import unwatched
 from .tracker.text_table import format_table, percent
 
@@ -73,11 +74,7 @@ class Measure:
     @property
     def sqnr_db(self) -> float:
         """10 log10(sum x^2 / sum (x - y)^2); inf for a lossless cast."""
-        if self.sum_sq_err == 0:
-            return math.inf
-        if self.sum_sq == 0:
-            return -math.inf
-        return 10.0 * math.log10(self.sum_sq / self.sum_sq_err)
+        return sqnr_db_of(self.sum_sq, self.sum_sq_err)
 
     @property
     def underflow_fraction(self) -> float:

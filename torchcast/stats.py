@@ -34,6 +34,20 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+def sqnr_db_of(sum_sq: float, sum_sq_err: float) -> float:
+    """10 log10(sum_sq / sum_sq_err): inf with no error, -inf with no signal.
+
+    Args:
+        sum_sq: the sum of x^2 over the elements measured.
+        sum_sq_err: the sum of (x - y)^2 over the same elements.
+    """
+    if sum_sq_err == 0:
+        return math.inf
+    if sum_sq == 0:
+        return -math.inf
+    return 10.0 * math.log10(sum_sq / sum_sq_err)
+
+
 @dataclasses.dataclass(frozen=True)
 class CastStats:
     """Statistics of one cast (or of several merged with ``+``), read from a
@@ -156,11 +170,7 @@ class CastStats:
             return -math.inf
         if math.isinf(self.sum_sq) or math.isinf(self.sum_sq_err):
             return math.nan
-        if self.sum_sq_err == 0:
-            return math.inf
-        if self.sum_sq == 0:
-            return -math.inf
-        return 10.0 * math.log10(self.sum_sq / self.sum_sq_err)
+        return sqnr_db_of(self.sum_sq, self.sum_sq_err)
 
     @property
     def lossless(self) -> bool:
