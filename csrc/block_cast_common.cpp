@@ -9,6 +9,13 @@
 namespace torchcast {
 
 namespace {
+constexpr const char* kBadTensorScale =
+    "torchcast.block_cast: tensor_scale must be positive and finite (each element is x / "
+    "(tensor_scale * its block's scale)); leave it out for amax(|x|) / (448 * 6), as "
+    "torchcast.block.nvfp4_tensor_scale(x) gives it";
+}  // namespace
+
+namespace {
 
 constexpr const char* kFormats = "'mxfp8_e4m3', 'mxfp8_e5m2', 'mxfp4', 'nvfp4'";
 
@@ -69,6 +76,7 @@ BlockCastPlan plan_block_cast(const at::Tensor& x, c10::string_view format, int6
                       "torchcast.block_cast: tensor_scale must be a one-element torch.float32 "
                       "tensor on x's device (", x.device(), "); got ", dtype_name(t.scalar_type()),
                       " with ", t.numel(), " elements on ", t.device());
+    check_scale_value(t, kBadTensorScale);
     plan.tensor_scale = t.reshape({});
   }
   plan.x = x.contiguous();

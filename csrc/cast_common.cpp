@@ -97,18 +97,19 @@ const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind
   TORCH_CHECK(s.device() == x.device(), "torchcast.cast_with_stats: scale is on ", s.device(),
               " but x is on ", x.device(), "; move scale to x's device (it is read there, never "
               "on the host)");
-  // A zero, negative or non-finite scale loses every element while the
-  // measured errors read as zero (y / 0 is not x's error). A zero scale is
-  // what delayed scaling makes from an inf in its amax history. On the CPU
-  // the value is read here; elsewhere the check is queued on the device
-  // (no host synchronization) and a bad scale fails at the next one.
+  // y / 0 is not x's error; a zero scale is what delayed scaling makes from
+  // an inf in its amax history.
+  check_scale_value(s, kBadScale);
+  return s.const_data_ptr<float>();
+}
+
+void check_scale_value(const at::Tensor& s, const char* message) {
   if (s.is_cpu()) {
     const float v = *s.const_data_ptr<float>();
-    TORCH_CHECK_VALUE(v > 0.f && std::isfinite(v), kBadScale, "; got scale = ", v);
+    TORCH_CHECK_VALUE(v > 0.f && std::isfinite(v), message, "; got ", v);
   } else {
-    at::_assert_async(at::isfinite(s).logical_and_(s.gt(0)), kBadScale);
+    at::_assert_async(at::isfinite(s).logical_and_(s.gt(0)), message);
   }
-  return s.const_data_ptr<float>();
 }
 
 void check_cast_out(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& out) {

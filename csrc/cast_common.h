@@ -26,9 +26,17 @@ CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 // to float8_e4m3fn (+-inf included) and no others.
 bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to);
 
+// Checks that a one-element float32 scale s is positive and finite: read
+// here on the CPU (TORCH_CHECK_VALUE with message and the value), queued on
+// the device elsewhere, so that no host synchronization is added and a bad
+// scale fails at the next one. A zero, negative or non-finite scale loses
+// every element while the measured errors read as zero.
+void check_scale_value(const at::Tensor& s, const char* message);
+
 // Checks a scaled cast's scale (a one-element float32 tensor on x's device,
 // for a lossy cast) and returns its element's address there, or nullptr
-// without a scale. The value is read by the kernels, never on the host.
+// without a scale. The value is read by the kernels (and by
+// check_scale_value on the CPU).
 const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
                         const std::optional<at::Tensor>& scale);
 

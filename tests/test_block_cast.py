@@ -340,6 +340,9 @@ def test_fallback_warns_and_matches(monkeypatch):
      "tensor_scale is only for nvfp4"),
     (lambda x: torchcast.block_cast(x, "nvfp4", tensor_scale=torch.tensor([1.0, 2.0])),
      ValueError, "one-element torch.float32 tensor"),
+    *[(lambda x, t=t: torchcast.block_cast(x, "nvfp4", tensor_scale=torch.tensor([t])),
+       ValueError, f"tensor_scale must be positive and finite.*; got {t:g}")
+      for t in (0.0, -1.0, math.inf, math.nan)],
     (lambda x: torchcast.block_cast(x.int(), "mxfp8_e4m3"), TypeError,
      "x is torch.int32; expected torch.float64, float32, float16 or bfloat16"),
     (lambda x: torchcast.block_cast(x[0, 0], "mxfp8_e4m3"), ValueError, "x is 0-d"),

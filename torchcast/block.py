@@ -163,8 +163,8 @@ def block_cast(x: torch.Tensor, format: str, *, block_size: Optional[int] = None
             v1.0), "ceil", "even" or "rceil"; NVFP4 has one rule, "amax"
             (its default). docs/formats.md states each.
         tensor_scale: NVFP4 only: the float32 tensor scale (a one-element
-            tensor on x's device); by default amax(|x|) / (448 * 6), or 1.0
-            where that is zero or not finite.
+            tensor on x's device, positive and finite); by default
+            amax(|x|) / (448 * 6), or 1.0 where that is zero or not finite.
 
     Returns:
         A :class:`BlockCast`: data, scales, stats, per-block facts and

@@ -8,6 +8,7 @@ import torch
 
 from ..formats import FORMATS, Format, block_format
 from ..stats import STAT_FIELDS
+from .cast import check_scale_value
 from .rounding import widen_exact
 
 SOURCE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -15,6 +16,9 @@ SCALE_BINS = 256
 BLOCK_COUNTS = ("blocks", "saturated_blocks", "underflow_blocks", "nan_blocks")
 _E8M0_NAN = 0xFF
 _MAX_BLOCK = 2**31 - 1  # a block's length is an int in the kernels
+BAD_TENSOR_SCALE = ("torchcast.block_cast: tensor_scale must be positive and finite (each "
+                    "element is x / (tensor_scale * its block's scale)); leave it out for "
+                    "amax(|x|) / (448 * 6), as torchcast.block.nvfp4_tensor_scale(x) gives it")
 
 
 def check_args(x, format, block_size, scale_mode, tensor_scale):
@@ -141,6 +145,8 @@ def _mx_scale_bits(amax, elem: Format, mode, wide):
 def block_cast(x, format, block_size, scale_mode, tensor_scale=None):
     """(data, scales, stats, scale_hist, block_counts) as the op returns them."""
     fmt = check_args(x, format, block_size, scale_mode, tensor_scale)
+    if tensor_scale is not None:
+        check_scale_value(tensor_scale, BAD_TENSOR_SCALE)
     elem = fmt.element
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     data_shape, scale_shape = output_shapes(x, fmt, block_size)

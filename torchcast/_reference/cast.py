@@ -181,15 +181,16 @@ BAD_SCALE = ("torchcast.cast_with_stats: scale must be positive and finite (x * 
              "torchcast.scaling.amax_scale(x, dtype), or skip this cast")
 
 
-def check_scale_value(scale):
-    """The value check of csrc/cast_common.cpp's scale_data: read on the CPU,
-    queued on the device elsewhere (no host synchronization)."""
+def check_scale_value(scale, message=BAD_SCALE):
+    """csrc/cast_common.cpp's check_scale_value: scale positive and finite,
+    read on the CPU, queued on the device elsewhere (no host
+    synchronization)."""
     if scale.device.type == "cpu":
         v = scale.item()
         if not (v > 0 and math.isfinite(v)):
-            raise ValueError(f"{BAD_SCALE}; got scale = {v:g}")
+            raise ValueError(f"{message}; got {v:g}")
     else:
-        torch._assert_async(torch.isfinite(scale).logical_and_(scale > 0).reshape(()), BAD_SCALE)
+        torch._assert_async(torch.isfinite(scale).logical_and_(scale > 0).reshape(()), message)
 
 
 def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
