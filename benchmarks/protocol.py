@@ -101,8 +101,8 @@ class Run:
 
     def summary(self):
         """One line for the table: load before and after, copy bandwidth."""
-        bandwidth = "; ".join(f"{gbs:.1f} GB/s with {t} threads"
-                              for (t, _), gbs in sorted(self.bandwidths.items()))
+        bandwidth = "; ".join(f"{gbs:.1f} GB/s with {t} threads, {nbytes / 2**20:g} MiB copied"
+                              for (t, nbytes), gbs in sorted(self.bandwidths.items()))
         return (f"1-minute load average {self.load_before:.2f} before, {load_average():.2f} "
                 f"after ({self.cores} cores); copy bandwidth in this run: {bandwidth or 'n/a'}.")
 

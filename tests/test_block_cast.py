@@ -5,6 +5,10 @@ hypothesis shapes; the straight-through gradient, opcheck, torch.compile,
 the fallback and the errors. tests/test_block_torchao.py compares with
 torchao."""
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import ml_dtypes
 import numpy as np
@@ -186,6 +190,52 @@ def test_thread_count_does_not_change_the_result():
         torch.set_num_threads(threads)
     assert torch.equal(one.stats_tensor.view(torch.int64), many.stats_tensor.view(torch.int64))
     assert torch.equal(one.data.view(torch.uint8), many.data.view(torch.uint8))
+
+
+@pytest.mark.skipif(not _ops.WITH_EXTENSION, reason="compares the compiled kernel's two loops")
+def test_vector_and_portable_loops_agree(tmp_path):
+    """The AVX-512 loop (float32 and 16-bit sources, where the CPU has it)
+    and the portable one (ATEN_CPU_CAPABILITY=default) give the same bits,
+    counts and maxima, and sums within rounding, on edge rows, heavy tails,
+    random bit patterns, ragged blocks and NVFP4 tensor scales whose
+    multiplier overflows or flushes to zero."""
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ints = torch.int32 if dtype == torch.float32 else torch.int16
+        info = torch.iinfo(ints)
+        bits = torch.randint(info.min, info.max, (40, 96), generator=g).to(ints).view(dtype)
+        x = torch.cat([edge_rows(dtype).reshape(-1, 64), heavy_tailed((300, 64), dtype, seed=2),
+                       bits.reshape(-1, 64)])
+        for fmt, mode in MODES:
+            scales = [None] if not BLOCK_FORMATS[fmt].tensor_scale else \
+                [torch.tensor([t]) for t in (1.0, 1e-45, 1e-30, 3e38)]
+            for ts in scales:
+                cases.append((x, fmt, mode, 32, ts))
+                cases.append((x[:, :50], fmt, mode, 20, ts))  # ragged: blocks of 20, 20, 10
+    torch.save(cases, tmp_path / "cases.pt")
+    script = textwrap.dedent("""
+        import sys, torch, torchcast
+        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+        out = []
+        for x, fmt, mode, block, ts in torch.load(sys.argv[1]):
+            r = torchcast.block_cast(x, fmt, block_size=block, scale_mode=mode, tensor_scale=ts)
+            out.append((r.data, r.scales, r.stats_tensor, r.scale_hist, r.block_counts))
+        torch.save(out, sys.argv[2])
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(torchcast.__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True)
+    for (x, fmt, mode, block, ts), (data, scales, stats, hist, counts) in zip(
+            cases, torch.load(tmp_path / "out.pt")):
+        r = torchcast.block_cast(x, fmt, block_size=block, scale_mode=mode, tensor_scale=ts)
+        where = (x.dtype, fmt, mode, block, ts)
+        assert torch.equal(r.data.view(torch.uint8), data.view(torch.uint8)), where
+        assert torch.equal(r.scales.view(torch.uint8), scales.view(torch.uint8)), where
+        assert torch.equal(r.scale_hist, hist) and torch.equal(r.block_counts, counts), where
+        assert_stats_equal(r.stats_tensor, stats)
 
 
 def _decode(r):

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../block_cast_common.h"
+#include "block_cast_avx512.h"
 #include "simd.h"
 
 namespace torchcast {
@@ -44,7 +45,9 @@ TC_CPU_CLONES typename Src::wide amax_of(const typename Src::storage* __restrict
 // whose sums may be added lane by lane (within rounding of cast_block's
 // element-order sums; the same whatever the threads). Counts and maxima are
 // cast_block's. gcc vectorizes this loop under -march=x86-64-v4 but not in
-// its target clones (objdump of the v4 clone: scalar), so it runs scalar.
+// its target clones (objdump of the v4 clone: scalar), so it runs scalar;
+// float32 and 16-bit sources take block_cast_avx512.h's loop where the CPU
+// has AVX-512, float64 ones and other CPUs this one.
 template <typename BF, typename Src>
 TC_CPU_CLONES uint32_t cast_block_simd(const typename Src::storage* __restrict__ x, int n,
                                        block::ScaleMode mode, float tensor_scale,
@@ -107,34 +110,74 @@ struct TaskTally {
   std::array<int64_t, block::kScaleBins> hist{};
 };
 
+// The blocks of a checked plan, numbered row by row.
+template <typename BF, typename Src>
+struct Blocks {
+  using S = typename Src::storage;
+  const S* x;
+  uint8_t* data;
+  uint8_t* scales;
+  int64_t n, block, per_row, row_bytes;
+  block::ScaleMode mode;
+  float tensor_scale;
+
+  // Calls cast(x, len, out) -> scale bits for blocks [first, last) in order,
+  // storing each block's scale and counting it in part's histogram.
+  template <typename Cast>
+  void for_each(int64_t first, int64_t last, TaskTally& part, Cast&& cast) const {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t row = b / per_row, start = (b % per_row) * block;
+      const int len = static_cast<int>(std::min(block, n - start));
+      uint8_t* out = data + row * row_bytes + (BF::element::kBits == 4 ? start / 2 : start);
+      const uint32_t bits = cast(x + row * n + start, len, out);
+      scales[b] = static_cast<uint8_t>(bits);
+      part.hist[bits] += 1;
+    }
+  }
+};
+
+#ifdef TORCHCAST_HAVE_AVX512
+template <typename BF, typename Src>
+TC_AVX512 void cast_task_avx512(const Blocks<BF, Src>& r, int64_t first, int64_t last, TaskTally& part) {
+  cpu::avx512::BlockLanes lanes;
+  r.for_each(first, last, part, [&](const typename Src::storage* x, int len, uint8_t* out) {
+    return cpu::avx512::cast_block<BF, Src>(x, len, r.mode, r.tensor_scale, out, part.tally, lanes);
+  });
+  lanes.flush(part.tally);
+}
+#endif
+
+template <typename BF, typename Src>
+void cast_task(const Blocks<BF, Src>& r, int64_t first, int64_t last, TaskTally& part) {
+#ifdef TORCHCAST_HAVE_AVX512
+  if constexpr (cpu::avx512::HasBlockLoop<Src>::value) {
+    if (cpu::use_avx512()) return cast_task_avx512<BF, Src>(r, first, last, part);
+  }
+#endif
+  r.for_each(first, last, part, [&](const typename Src::storage* x, int len, uint8_t* out) {
+    return cast_block_simd<BF, Src>(x, len, r.mode, r.tensor_scale, out, part.tally);
+  });
+}
+
 struct CpuBlockCast {
   template <typename BF, typename Src>
   static void run(BlockCastPlan& plan) {
-    using S = typename Src::storage;
-    const S* xp = reinterpret_cast<const S*>(plan.x.const_data_ptr());
-    uint8_t* dp = static_cast<uint8_t*>(plan.data.data_ptr());
-    uint8_t* sp = static_cast<uint8_t*>(plan.scales.data_ptr());
-    const float tensor_scale =
-        plan.tensor_scale.defined() ? *plan.tensor_scale.const_data_ptr<float>() : 1.f;
-    const int64_t n = plan.n, block = plan.block, per_row = plan.blocks_per_row;
-    const int64_t row_bytes = plan.data.size(-1);
-    const int64_t total = plan.rows * per_row;
+    const Blocks<BF, Src> r{reinterpret_cast<const typename Src::storage*>(plan.x.const_data_ptr()),
+                        static_cast<uint8_t*>(plan.data.data_ptr()),
+                        static_cast<uint8_t*>(plan.scales.data_ptr()),
+                        plan.n,
+                        plan.block,
+                        plan.blocks_per_row,
+                        plan.data.size(-1),
+                        plan.mode,
+                        plan.tensor_scale.defined() ? *plan.tensor_scale.const_data_ptr<float>() : 1.f};
+    const int64_t total = plan.rows * plan.blocks_per_row;
     const int64_t tasks = (total + kTaskBlocks - 1) / kTaskBlocks;
     std::vector<TaskTally> partials(static_cast<size_t>(tasks));
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        TaskTally& part = partials[static_cast<size_t>(task)];
-        const int64_t last = std::min(total, (task + 1) * kTaskBlocks);
-        for (int64_t b = task * kTaskBlocks; b < last; ++b) {
-          const int64_t row = b / per_row, start = (b % per_row) * block;
-          const int len = static_cast<int>(std::min(block, n - start));
-          uint8_t* out = BF::element::kBits == 4 ? dp + row * row_bytes + start / 2
-                                                 : dp + row * row_bytes + start;
-          const uint32_t bits = cast_block_simd<BF, Src>(xp + row * n + start, len, plan.mode,
-                                                         tensor_scale, out, part.tally);
-          sp[b] = static_cast<uint8_t>(bits);
-          part.hist[bits] += 1;
-        }
+        cast_task<BF, Src>(r, task * kTaskBlocks, std::min(total, (task + 1) * kTaskBlocks),
+                           partials[static_cast<size_t>(task)]);
       }
     });
     TaskTally all;

@@ -22,20 +22,7 @@ namespace torchcast {
 namespace {
 
 using cpu::LaneState;
-
-// Whether to take the AVX-512 loop: the CPU has it and ATen uses it too, so
-// ATEN_CPU_CAPABILITY=avx2 or =default selects the portable loop (which is
-// how the tests reach it on an AVX-512 machine).
-bool use_avx512() {
-#ifdef TORCHCAST_HAVE_AVX512
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                          at::get_cpu_capability() == "AVX512";
-  return yes;
-#else
-  return false;
-#endif
-}
+using cpu::use_avx512;
 
 // The portable loop: n <= kLanes - lane contiguous elements into lanes
 // [lane, lane + n), one ElementMeasure each (of x * scale with kScaled).
@@ -230,6 +217,21 @@ struct CpuCast {
 };
 
 }  // namespace
+
+namespace cpu {
+
+bool use_avx512() {
+#ifdef TORCHCAST_HAVE_AVX512
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                          at::get_cpu_capability() == "AVX512";
+  return yes;
+#else
+  return false;
+#endif
+}
+
+}  // namespace cpu
 
 TORCH_LIBRARY_IMPL(torchcast, CPU, m) {
   m.impl("cast_with_stats", &cast_with_stats<CpuCast>);

@@ -285,8 +285,8 @@ TC_AVX512_INLINE typename W::Mask halfway(typename W::V f) {
   }
 }
 
-// float8 from float32 lanes whose |f| lies in [min_normal, largest finite]
-// or is 0 (Source::rare flags every other lane): float8_bits_from_float's
+// float8 (or float4_e2m1fn, for block_cast_avx512.h) from float32 lanes
+// whose |f| lies in [min_normal, largest finite] or is 0 (Source::rare flags every other lane): float8_bits_from_float's
 // normal branch, whose rounded magnitude, kept as float32 bits, is also the
 // exact value back; and its subnormal branch for the lanes subnormals()
 // names. A vector with a NaN, infinite or too large lane is measured lane by
@@ -311,7 +311,7 @@ struct Narrowed<NarrowTarget<Float8Bits<F8>>, W> {
     // Exponent rebiased; max with 0 keeps a zero x's bits 0.
     const I em = W::maxi(
         W::subi(W::template srli<kShift>(rounded), W::set1i((127 - F8::kBias) << F8::kMant)), W::set1i(0));
-    bits = W::ori(em, W::template srli<24>(sign));
+    bits = W::ori(em, W::template srli<32 - F8::kBits>(sign));
   }
   // The lanes in `small` (|f| < min_normal) rounded at the subnormal spacing
   // 2^(1 - kBias - kMant): adding a float whose ulp that is rounds |f| to
@@ -324,7 +324,7 @@ struct Narrowed<NarrowTarget<Float8Bits<F8>>, W> {
     const V sum = W::add(W::abs(f), magic);
     const I em = W::subi(W::bits(sum), magic_bits);
     back = W::mask_mov(back, small, W::from_bits(W::ori(W::bits(W::sub(sum, magic)), sign)));
-    bits = W::mask_movi(bits, small, W::ori(em, W::template srli<24>(sign)));
+    bits = W::mask_movi(bits, small, W::ori(em, W::template srli<32 - F8::kBits>(sign)));
   }
   TC_AVX512_INLINE void store(uint8_t* p) const { W::store_bytes(p, bits); }
 };

@@ -9,3 +9,15 @@
 #else
 #define TC_CPU_CLONES
 #endif
+
+namespace torchcast {
+namespace cpu {
+
+// Whether to take the AVX-512 loops (cast_avx512.h, block_cast_avx512.h): the
+// CPU has AVX-512 and ATen uses it too, so ATEN_CPU_CAPABILITY=avx2 or
+// =default selects the portable loops (which is how the tests reach them on
+// an AVX-512 machine). Defined in cast.cpp.
+bool use_avx512();
+
+}  // namespace cpu
+}  // namespace torchcast
