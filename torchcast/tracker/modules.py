@@ -90,8 +90,11 @@ _WRAPPER = "_orig_mod"  # torch.compile(module) wraps module as OptimizedModule.
 
 
 def _unwrapped(module):
-    """The module a torch.compile wrapper (OptimizedModule) holds, else module."""
-    inner = getattr(module, _WRAPPER, None)
+    """The module a torch.compile wrapper (OptimizedModule) holds, else module.
+    Read from the registered children: getattr of a missing name goes through
+    Module.__getattr__, which raises and catches an AttributeError, several
+    times the cost of the rest of a hook."""
+    inner = module.__dict__.get("_modules", {}).get(_WRAPPER)
     return inner if isinstance(inner, torch.nn.Module) else module
 
 
