@@ -233,7 +233,7 @@ def main():
             previous = f.read() + "\n"
     if run.write(opts.out, previous + table + "\n") and opts.plot:
         plot(rows, opts.plot, f"track() overhead, {protocol.cpu_name()}, "
-                              f"{opts.threads} thread(s) (benchmarks/bench_track.py)")
+                              f"{opts.threads} thread(s)\n(benchmarks/bench_track.py)")
 
 
 if __name__ == "__main__":
