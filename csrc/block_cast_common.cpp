@@ -9,13 +9,11 @@
 namespace torchcast {
 
 namespace {
+
 constexpr const char* kBadTensorScale =
     "torchcast.block_cast: tensor_scale must be positive and finite (each element is x / "
     "(tensor_scale * its block's scale)); leave it out for amax(|x|) / (448 * 6), as "
     "torchcast.block.nvfp4_tensor_scale(x) gives it";
-}  // namespace
-
-namespace {
 
 constexpr const char* kFormats = "'mxfp8_e4m3', 'mxfp8_e5m2', 'mxfp4', 'nvfp4'";
 

@@ -138,10 +138,12 @@ struct Blocks {
 
 #ifdef TORCHCAST_HAVE_AVX512
 template <typename BF, typename Src>
-TC_AVX512 void cast_task_avx512(const Blocks<BF, Src>& r, int64_t first, int64_t last, TaskTally& part) {
+TC_AVX512 void cast_task_avx512(const Blocks<BF, Src>& r, int64_t first, int64_t last,
+                                TaskTally& part) {
   cpu::avx512::BlockLanes lanes;
   r.for_each(first, last, part, [&](const typename Src::storage* x, int len, uint8_t* out) {
-    return cpu::avx512::cast_block<BF, Src>(x, len, r.mode, r.tensor_scale, out, part.tally, lanes);
+    return cpu::avx512::cast_block<BF, Src>(x, len, r.mode, r.tensor_scale, out, part.tally,
+                                            lanes);
   });
   lanes.flush(part.tally);
 }
@@ -162,15 +164,13 @@ void cast_task(const Blocks<BF, Src>& r, int64_t first, int64_t last, TaskTally&
 struct CpuBlockCast {
   template <typename BF, typename Src>
   static void run(BlockCastPlan& plan) {
+    const float tensor_scale =
+        plan.tensor_scale.defined() ? *plan.tensor_scale.const_data_ptr<float>() : 1.f;
     const Blocks<BF, Src> r{reinterpret_cast<const typename Src::storage*>(plan.x.const_data_ptr()),
-                        static_cast<uint8_t*>(plan.data.data_ptr()),
-                        static_cast<uint8_t*>(plan.scales.data_ptr()),
-                        plan.n,
-                        plan.block,
-                        plan.blocks_per_row,
-                        plan.data.size(-1),
-                        plan.mode,
-                        plan.tensor_scale.defined() ? *plan.tensor_scale.const_data_ptr<float>() : 1.f};
+                            static_cast<uint8_t*>(plan.data.data_ptr()),
+                            static_cast<uint8_t*>(plan.scales.data_ptr()),
+                            plan.n, plan.block, plan.blocks_per_row, plan.data.size(-1),
+                            plan.mode, tensor_scale};
     const int64_t total = plan.rows * plan.blocks_per_row;
     const int64_t tasks = (total + kTaskBlocks - 1) / kTaskBlocks;
     std::vector<TaskTally> partials(static_cast<size_t>(tasks));

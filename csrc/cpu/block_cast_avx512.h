@@ -9,9 +9,10 @@
 //    (float8_bits_from_float's normal and subnormal branches); lanes where v
 //    rounds past the format's largest value take +-max, as element_bits does.
 //  - With x finite and the scale not NaN, y = ev * scale is finite and exact
-//    in float64 (|ev| <= 448, scale <= 2^127, or 448 times a float32 for
-//    NVFP4), so no element overflows, every one is measured, and y == 0
-//    exactly where ev == 0 (scales are > 0). The float64 error terms are
+//    in float64 (MX: |ev| <= 57344 and the scale a power of two up to 2^127;
+//    NVFP4: |ev| <= 6 and the scale an e4m3 value times a positive finite
+//    float32), so no element overflows, every one is measured, and y == 0
+//    exactly where ev == 0 (every scale is > 0). The float64 error terms are
 //    cast_element's operations, lane by lane.
 //  - A vector with a NaN or infinite x, or a NaN v (an infinite NVFP4
 //    multiplier times 0), and every element of a NaN-scaled block, take
@@ -42,8 +43,14 @@ TC_AVX512_INLINE __m512 load_widened(const typename Src::storage* p, __mmask16 v
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
   } else {
     static_assert(std::is_same<Src, SourceFormat<BFloat16Target>>::value, "a 16-bit source");
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p)), 16));
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
+}
+
+// Lanes 8 .. 15 of a float32 vector.
+TC_AVX512_INLINE __m256 high_half(__m512 a) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
 
 template <typename Src>
@@ -98,7 +105,8 @@ struct BlockLanes {
 // scale's bits.
 template <typename BF, typename Src>
 TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::ScaleMode mode,
-                              float tensor_scale, uint8_t* data, block::Tally& t, BlockLanes& lanes) {
+                              float tensor_scale, uint8_t* data, block::Tally& t,
+                              BlockLanes& lanes) {
   using Elem = typename BF::element;
   using W = F32x16;
   using Round = Narrowed<NarrowTarget<Float8Bits<Elem>>, W>;
@@ -141,7 +149,8 @@ TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::Scal
       const int len = std::min(16, n - i);
       const __m512 xv = load_widened<Src>(x + i, valid(i));
       const __m512 v = _mm512_mul_ps(xv, multiplier);
-      if (_mm512_fpclass_ps_mask(xv, kClassNaN | kClassInf) | _mm512_fpclass_ps_mask(v, kClassNaN)) {
+      if (_mm512_fpclass_ps_mask(xv, kClassNaN | kClassInf) |
+          _mm512_fpclass_ps_mask(v, kClassNaN)) {
         one_by_one(i, len);
         continue;
       }
@@ -150,7 +159,8 @@ TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::Scal
       const __mmask16 saturated = _mm512_cmpge_epu32_mask(mag, first_overflow);
       Round r(v);
       r.subnormals(v, _mm512_cmplt_epu32_mask(mag, min_normal));
-      r.bits = _mm512_mask_or_epi32(r.bits, saturated, _mm512_srli_epi32(sign, 32 - Elem::kBits), max_bits);
+      r.bits = _mm512_mask_or_epi32(r.bits, saturated, _mm512_srli_epi32(sign, 32 - Elem::kBits),
+                                    max_bits);
       r.back = _mm512_mask_mov_ps(
           r.back, saturated,
           _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(max_value), sign)));
@@ -158,7 +168,8 @@ TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::Scal
       const __mmask16 ev_zero = _mm512_cmp_ps_mask(r.back, _mm512_setzero_ps(), _CMP_EQ_OQ);
       const __mmask16 x_zero = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_EQ_OQ);
       const __mmask16 subnormal =
-          ~ev_zero & _mm512_cmp_ps_mask(_mm512_abs_ps(r.back), _mm512_set1_ps(Elem::kMinNormal), _CMP_LT_OQ);
+          ~ev_zero & _mm512_cmp_ps_mask(_mm512_abs_ps(r.back), _mm512_set1_ps(Elem::kMinNormal),
+                                        _CMP_LT_OQ);
       const int64_t under = count(static_cast<uint32_t>(~x_zero & ev_zero));
       const int64_t sat = count(static_cast<uint32_t>(saturated));
       underflows += under;
@@ -170,9 +181,7 @@ TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::Scal
       const __mmask8 inexact_lo = lanes.add(_mm512_cvtps_pd(_mm512_castps512_ps256(xv)),
                                             _mm512_cvtps_pd(_mm512_castps512_ps256(r.back)), scale);
       const __mmask8 inexact_hi =
-          lanes.add(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(xv), 1))),
-                    _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r.back), 1))),
-                    scale);
+          lanes.add(_mm512_cvtps_pd(high_half(xv)), _mm512_cvtps_pd(high_half(r.back)), scale);
       lanes.inexact += count(inexact_lo) + count(inexact_hi);
 
       if constexpr (Elem::kBits == 4) {
