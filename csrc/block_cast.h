@@ -151,21 +151,13 @@ struct ElementFacts {
 // What the elements of a run of blocks lost: cast_with_stats' statistics
 // (StatIndex, numerics.h) and the per-block counts, all exact but the sums
 // (plain float64 sums, in the element order).
-struct Tally {
-  double nan = 0, inf = 0, inexact = 0, overflow = 0, saturated = 0, underflow = 0,
-         subnormal = 0;
+struct Tally : CastCounts<double> {
   double max_abs_err = 0, max_rel_err = 0, amax = 0;
   double sum_abs_err = 0, sum_sq_err = 0, sum_sq = 0;
   double blocks[kNumBlockCounts] = {0, 0, 0, 0};
 
   TC_HD void merge(const Tally& o) {
-    nan += o.nan;
-    inf += o.inf;
-    inexact += o.inexact;
-    overflow += o.overflow;
-    saturated += o.saturated;
-    underflow += o.underflow;
-    subnormal += o.subnormal;
+    CastCounts<double>::add(o);
     max_abs_err = o.max_abs_err > max_abs_err ? o.max_abs_err : max_abs_err;
     max_rel_err = o.max_rel_err > max_rel_err ? o.max_rel_err : max_rel_err;
     amax = o.amax > amax ? o.amax : amax;
@@ -176,13 +168,7 @@ struct Tally {
   }
 
   TC_HD void add(const ElementFacts& f) {
-    nan += f.nan;
-    inf += f.inf;
-    inexact += f.inexact;
-    overflow += f.overflow;
-    saturated += f.saturated;
-    underflow += f.underflow;
-    subnormal += f.subnormal;
+    CastCounts<double>::add(f);
     max_abs_err = f.err > max_abs_err ? f.err : max_abs_err;
     max_rel_err = f.rel > max_rel_err ? f.rel : max_rel_err;
     amax = f.amax > amax ? f.amax : amax;

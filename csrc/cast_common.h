@@ -58,24 +58,6 @@ at::TensorIterator cast_iterator(const at::Tensor& x, at::Tensor& y);
 // inf regardless).
 at::Tensor exact_cast_stats(const at::Tensor& x);
 
-// The exact counts of a cast (Count: as wide as the caller needs).
-template <typename Count>
-struct CastCounts {
-  Count nan = 0, inf = 0, inexact = 0, overflow = 0, saturated = 0, underflow = 0, subnormal = 0;
-
-  // Adds another CastCounts, or the flags of one ElementMeasure (same names).
-  template <typename Counts>
-  TC_HD void add(const Counts& o) {
-    nan += o.nan;
-    inf += o.inf;
-    inexact += o.inexact;
-    overflow += o.overflow;
-    saturated += o.saturated;
-    underflow += o.underflow;
-    subnormal += o.subnormal;
-  }
-};
-
 // Per-chunk result of the fused pass: exact counts and maxima, and the sums
 // (SumsOf<From> on CUDA, PlainSums on the CPU).
 // merge() and write() are TC_HD: the CUDA kernels reduce and write these on

@@ -406,6 +406,25 @@ struct ElementMeasure {
   }
 };
 
+// The exact counts of a cast (Count: as wide as the caller needs).
+template <typename Count>
+struct CastCounts {
+  Count nan = 0, inf = 0, inexact = 0, overflow = 0, saturated = 0, underflow = 0, subnormal = 0;
+
+  // Adds another CastCounts, or the flags of one ElementMeasure or
+  // block::ElementFacts (same names).
+  template <typename Counts>
+  TC_HD void add(const Counts& o) {
+    nan += o.nan;
+    inf += o.inf;
+    inexact += o.inexact;
+    overflow += o.overflow;
+    saturated += o.saturated;
+    underflow += o.underflow;
+    subnormal += o.subnormal;
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Canonical reduction order for the compensated sums (counts and maxima are
 // exact in any order). A chunk of kChunk consecutive elements (in

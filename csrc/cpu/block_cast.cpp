@@ -82,19 +82,16 @@ TC_CPU_CLONES uint32_t cast_block_simd(const typename Src::storage* __restrict__
     }
     if constexpr (Elem::kBits == 4) {
       uint8_t* out = data + base / 2;
-      for (int i = 0; i + 1 < len; i += 2) out[i / 2] = static_cast<uint8_t>(bits[i] | (bits[i + 1] << 4));
+      for (int i = 0; i + 1 < len; i += 2) {
+        out[i / 2] = static_cast<uint8_t>(bits[i] | (bits[i + 1] << 4));
+      }
       if (len % 2 == 1) out[len / 2] = bits[len - 1];
     } else {
       std::memcpy(data + base, bits, static_cast<size_t>(len));
     }
   }
-  t.nan += nan;
-  t.inf += inf;
-  t.inexact += inexact;
-  t.overflow += overflow;
-  t.saturated += saturated;
-  t.underflow += underflow;
-  t.subnormal += subnormal;
+  t.CastCounts<double>::add(
+      CastCounts<int32_t>{nan, inf, inexact, overflow, saturated, underflow, subnormal});
   t.max_abs_err = std::max(t.max_abs_err, max_abs);
   t.max_rel_err = std::max(t.max_rel_err, max_rel);
   t.amax = std::max(t.amax, amax);
