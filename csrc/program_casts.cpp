@@ -32,6 +32,10 @@ at::Tensor program_to_copy(c10::DispatchKeySet keys, const at::Tensor& self,
     Depth() { ++program_cast_depth; }
     ~Depth() { --program_cast_depth; }
   } depth;
+  // Excluded in the thread too, not only in the keyset passed on: under the
+  // Python dispatcher (torch.compile's tracing) the redispatch recomputes
+  // the keys from the tensor and the thread, and would come back here.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   return at::_ops::_to_copy::redispatch(keys - c10::autocast_dispatch_keyset, self, dtype, layout,
                                         device, pin_memory, non_blocking, memory_format);
 }
