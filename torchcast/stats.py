@@ -190,6 +190,13 @@ class CastStats:
         d["sqnr_db"] = self.sqnr_db
         return d
 
+    @property
+    def worst_rel_err(self) -> float:
+        """The largest relative error over every finite x: ``max_rel_err``,
+        or inf where an element overflowed (``max_rel_err`` leaves those
+        out). What a report's column shows."""
+        return math.inf if self.overflow else self.max_rel_err
+
     def __str__(self):
         maxima = f"max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}"
         if self.overflow:

@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
+
 from .sites import short_path
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -51,8 +53,15 @@ class CompiledRegion:
 
     def describe(self) -> str:
         """One line: which region, whether it ran, and what was not watched."""
-        where = f"{self.function} ({short_path(self.file)}:{self.line})" if self.file else \
-            (self.function or "?")
+        if self.file and _torch_code(self.file):
+            # torch.compile(module) under global module hooks (a track's)
+            # compiles a wrapper of torch's around the module's call.
+            where = (f"a compiled module's call (through torch's {self.function}, "
+                     f"{short_path(self.file)}:{self.line})")
+        elif self.file:
+            where = f"{self.function} ({short_path(self.file)}:{self.line})"
+        else:
+            where = self.function or "a compiled graph"
         ran = "compiled and run in this track" if self.compiled_in_track else \
             "compiled before this track (if it ran in it)"
         return (f"compiled region {self.compile_id}, {where}, {ran}: not watched: "
@@ -81,8 +90,17 @@ def _compiled_functions() -> Dict[tuple, Tuple[str, str, int]]:
         metrics = get_compilation_metrics()
     except (ImportError, AttributeError):  # pragma: no cover - another torch
         return {}
-    return {(str(m.compile_id), m.start_time): (m.co_name, m.co_filename, m.co_firstlineno)
-            for m in metrics if m.compile_id is not None and m.has_guarded_code is not False}
+    regions, named = {}, set()
+    for m in sorted(metrics, key=lambda m: m.start_time or 0.0):
+        if m.compile_id is None or m.has_guarded_code is False:
+            continue
+        compile_id = str(m.compile_id)
+        if m.co_name is None and compile_id in named:
+            continue  # the backward of a frame compiled before: the same region
+        if m.co_name is not None:
+            named.add(compile_id)
+        regions[(compile_id, m.start_time)] = (m.co_name, m.co_filename, m.co_firstlineno)
+    return regions
 
 
 class RegionWatch:
@@ -113,6 +131,13 @@ class RegionWatch:
                 regions.append(CompiledRegion(key[0], function, file, line, key in compiled_here,
                                               missed))
         return regions
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _torch_code(file: str) -> bool:
+    return os.path.abspath(file).startswith(_TORCH_DIR)
 
 
 def _own_code(file: Optional[str]) -> bool:
