@@ -281,6 +281,17 @@ PyObject* take_propagated(PyObject*, PyObject*) {
   return PyLong_FromLongLong(torchcast::take_propagated());
 }
 
+PyObject* account_for_nonfinite(PyObject*, PyObject* tensor) {
+  if (!THPVariable_Check(tensor)) {
+    PyErr_SetString(PyExc_TypeError, "account_for_nonfinite: expected a tensor");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  torchcast::account_for_nonfinite(THPVariable_Unpack(tensor));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* pause_nonfinite_watch(PyObject*, PyObject* flag) {
   const int pause = PyObject_IsTrue(flag);
   if (pause < 0) return nullptr;
@@ -365,9 +376,12 @@ PyMethodDef methods[] = {
      "(csrc/cpu/all_finite.cpp)."},
     {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,
      "Checks this thread's CPU ops for NaN/inf made from finite inputs, calling "
-     "callback(op, overload, outputs, inputs, before) at each (csrc/cpu/nonfinite_watch.cpp)."},
+     "callback(op, overload, outputs, inputs, before, entered) at each (csrc/cpu/nonfinite_watch.cpp)."},
     {"stop_nonfinite_watch", stop_nonfinite_watch, METH_NOARGS,
      "Stops this thread's non-finite watch."},
+    {"account_for_nonfinite", account_for_nonfinite, METH_O,
+     "Has the non-finite watch take a tensor's NaN/inf as accounted for (a collective's "
+     "output), not as entering."},
     {"take_propagated", take_propagated, METH_NOARGS,
      "Op calls that made NaN/inf only from non-finite inputs, since the last call."},
     {"pause_nonfinite_watch", pause_nonfinite_watch, METH_O,

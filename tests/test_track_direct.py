@@ -3,7 +3,7 @@ compiled extension the tracking thread enters no dispatch mode; its casts
 reach the track through csrc/thread_casts.cpp's kernels and the rest
 through csrc/dtype_watch.cpp. Each check compares with what the same
 program does without any track, and with the dispatch-mode route, which
-a Python non-finite watch ("raise") still takes."""
+a Python non-finite watch ("raise_at_op") still takes."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,8 +35,8 @@ def test_no_dispatch_mode_and_the_same_sites_as_the_mode_route():
     with torchcast.track(all_casts=True, policy="record") as direct:
         assert torch._C._len_torch_dispatch_stack() == 0
         got = program()
-    # nonfinite="raise" needs the dispatch mode: the same casts through it
-    with torchcast.track(all_casts=True, policy="record", nonfinite="raise") as moded:
+    # nonfinite="raise_at_op" needs the dispatch mode: the same casts through it
+    with torchcast.track(all_casts=True, policy="record", nonfinite="raise_at_op") as moded:
         assert torch._C._len_torch_dispatch_stack() == 1
         program()
     assert sites(direct) == sites(moded) == [

@@ -208,7 +208,7 @@ def test_worker_origin_listed_in_order_under_record(nonfinite_engine, spool_dir)
 def test_worker_origin_stops_the_run_and_is_reported_under_raise(spool_dir):
     loader = _loader()
     with pytest.raises(RuntimeError) as info:
-        with torchcast.track(nonfinite="raise") as report:
+        with torchcast.track(nonfinite="raise_at_op") as report:
             for _ in loader:
                 pass
     # DataLoader re-raises a worker's error as a RuntimeError quoting it.

@@ -2,7 +2,7 @@
 received them: an input the op wrote over by its amax read before the op
 ran (not the inf it holds after), out= arguments not at all (they are
 results, whatever bits they held), under both engines (the C++ watch serves
-"record" on CPU programs, the dispatch mode "raise")."""
+"record" on CPU programs, the dispatch mode "raise_at_op")."""
 import pytest
 import torch
 
@@ -12,9 +12,9 @@ from torchcast.tracker import NonFiniteError
 
 def origin_of(action, fn):
     """The first origin fn makes under track(nonfinite=action)."""
-    if action == "raise":
+    if action == "raise_at_op":
         with pytest.raises(NonFiniteError) as caught:
-            with torchcast.track(nonfinite="raise"):
+            with torchcast.track(nonfinite="raise_at_op"):
                 fn()
         return caught.value.origin
     with torchcast.track(nonfinite=action) as report:
@@ -27,7 +27,7 @@ def inputs_of(origin):
     return [(i.dtype, i.shape, i.amax, i.overwritten) for i in origin.inputs]
 
 
-ACTIONS = ["record", "raise"]
+ACTIONS = ["record", "raise_at_op"]
 HALF = torch.float16
 
 

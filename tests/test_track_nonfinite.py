@@ -115,7 +115,7 @@ def test_raise_names_the_op_and_stops_there():
     model = Wide().half()
     x = torch.randn(4, 64).half() * 10
     with pytest.raises(torchcast.NonFiniteError) as info:
-        with torchcast.track(nonfinite="raise"):
+        with torchcast.track(nonfinite="raise_at_op"):
             model(x)
     e = info.value
     assert isinstance(e, RuntimeError)
@@ -129,7 +129,7 @@ def test_raise_in_backward():
         model.fc.weight.div_(40)
     x = (torch.randn(4, 64) * 0.01).half().requires_grad_()
     with pytest.raises(torchcast.NonFiniteError) as info:
-        with torchcast.track(nonfinite="raise"):
+        with torchcast.track(nonfinite="raise_at_op"):
             (model(x) * 3000).sum().backward()
     assert info.value.phase == "backward" and info.value.node == "AddmmBackward0"
 
@@ -146,22 +146,37 @@ def test_warn_once_per_place(nonfinite_engine):
     assert report.first_nonfinite.count == 3
 
 
-def test_nonfinite_inputs_only_propagate(nonfinite_engine):
-    x = torch.tensor([1.0, float("nan"), 3.0])
+def test_nonfinite_that_no_watched_op_made_enters_then_propagates(nonfinite_engine):
+    x = torch.tensor([1.0, float("nan"), 3.0])  # made before the track
     with torchcast.track(nonfinite="record") as report:
         (x * 2).exp().sum()
         scores = torch.zeros(3, 3).masked_fill(torch.ones(3, 3).triu(1).bool(), float("-inf"))
-        scores.softmax(-1)
-    assert report.nonfinite == []
-    assert report.propagated == 3  # mul, exp, sum (masked_fill only places its fill value)
+        scores.softmax(-1)  # no row fully masked: finite
+    (entry,) = report.nonfinite  # the -inf masked_fill places is the program's own number
+    assert entry.op == "aten::mul" and entry.nan == 1 and entry.reached is not None
+    assert entry.entered.startswith("argument 'self': a tensor no watched op made")
+    assert report.propagated == 2  # exp, sum: their NaN came from mul's output
 
 
-def test_a_softmax_of_a_fully_masked_row_is_propagation_not_an_origin(nonfinite_engine):
+def test_a_softmax_of_a_fully_masked_row_enters_or_propagates(nonfinite_engine):
     scores = torch.randn(2, 3)
-    scores[0] = float("-inf")
+    scores[0] = float("-inf")  # before the track: the softmax is where -inf enters
     with torchcast.track(nonfinite="record") as report:
         out = scores.softmax(-1)
-    assert torch.isnan(out[0]).all() and report.nonfinite == [] and report.propagated == 1
+    assert torch.isnan(out[0]).all() and report.propagated == 0
+    (entry,) = report.nonfinite
+    assert (entry.op, entry.nan, entry.entered) == (
+        "aten::_softmax", 3, "argument 'self': a tensor no watched op made (the block's data, "
+        "a literal, a checkpoint's values, or a tensor made before the track)")
+    with torchcast.track(nonfinite="record") as report:
+        scores = torch.randn(2, 3)
+        _mark("fill"); scores[0] = float("-inf")  # noqa: E702 (-inf enters: a tensor of it)
+        out = scores.softmax(-1)
+    (entry,) = report.nonfinite
+    assert (entry.op, entry.line) == ("aten::fill_", LINE["fill"])
+    assert entry.entered == ("argument 'value': a 0-d tensor holding -inf, made from a Python "
+                             "number (an assignment such as x[i] = -inf, or torch.tensor(-inf))")
+    assert report.propagated == 1  # the softmax
 
 
 def test_in_place_op_reads_its_inputs_before_overwriting_them(nonfinite_engine):
@@ -208,7 +223,7 @@ def test_an_overflowing_float8_cast_is_an_origin(nonfinite_engine, dtype, counts
     assert origin.inputs[0].amax == 1e6
     assert f"largest finite value is {torch.finfo(dtype).max:g}" in origin.note
     with pytest.raises(torchcast.NonFiniteError) as caught:
-        with torchcast.track(nonfinite="raise"):
+        with torchcast.track(nonfinite="raise_at_op"):
             x.to(dtype)
     assert caught.value.dtype == dtype
 
@@ -266,7 +281,7 @@ def test_deferred_flags_path(monkeypatch):
     assert (origins[0].nan, origins[0].posinf, origins[0].neginf) == _counts(y)
     assert report.propagated >= 1
     with pytest.raises(torchcast.NonFiniteError):
-        with torchcast.track(nonfinite="raise"):
+        with torchcast.track(nonfinite="raise_at_op"):
             model(x)
 
 
@@ -311,7 +326,7 @@ def test_cli_nonfinite_raise(tmp_path):
         h = x @ w
         print("not reached")
     """))
-    run = subprocess.run([sys.executable, "-m", "torchcast", "track", "--nonfinite", "raise",
+    run = subprocess.run([sys.executable, "-m", "torchcast", "track", "--nonfinite", "raise_at_op",
                           str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1
     assert "not reached" not in run.stdout
@@ -331,7 +346,7 @@ def test_record_and_warn_take_the_cpp_check_raise_the_mode(nonfinite_engine):
     with torchcast.track(nonfinite="record") as report:
         served = report.nonfinite_watch in getattr(nonfinite._cpp, "watches", ())
     assert served == (nonfinite_engine == "cpp")
-    with torchcast.track(nonfinite="raise") as report:
+    with torchcast.track(nonfinite="raise_at_op") as report:
         assert report.nonfinite_watch not in getattr(nonfinite._cpp, "watches", ())
 
 

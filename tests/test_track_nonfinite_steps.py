@@ -122,7 +122,7 @@ def test_a_harmless_origin_that_recurs_is_listed_after_the_cause(nonfinite_engin
     # Step 3 overflows the cube again (50 ** 3) beside the head's matmul
     # (600 * (50 + 3 * 30) = 8.4e4): both are undecided when the output is
     # inf, and both are marked reached; the cube, absorbed in step 1, is
-    # listed after the matmul, and "raise_reached" names the matmul.
+    # listed after the matmul, and "raise" names the matmul.
     monkeypatch.setitem(INPUTS, 3, [50.0, 30.0, 30.0, 30.0])
     report, _, _ = train("record")
     pow_, addmm = report.nonfinite
@@ -130,7 +130,7 @@ def test_a_harmless_origin_that_recurs_is_listed_after_the_cause(nonfinite_engin
     assert (pow_.reached, pow_.reached_step, pow_.absorbed_steps) == (True, 3, 1)
     assert "but was absorbed in 1 other step" in pow_.describe()
     assert report.first_nonfinite is addmm
-    _, _, error = train("raise_reached")
+    _, _, error = train("raise")
     assert _step3_addmm(error.origin) and "1 other origins of the step (aten::pow)" in str(error)
 
 
@@ -149,25 +149,39 @@ def test_an_origin_in_the_optimizer_step_reaches_what_it_wrote(nonfinite_engine)
                                                "the state AdamW.step() keeps"}
 
 
-def test_without_an_optimizer_a_step_is_a_top_level_module_call(nonfinite_engine):
+def test_without_an_optimizer_a_step_is_a_call_of_the_first_top_level_module(nonfinite_engine):
     report, _, _ = train("record", optimizer=False)
     pow_, addmm = report.nonfinite
-    assert (pow_.step, pow_.step_kind, pow_.reached) == (1, "top-level module call", False)
+    assert (pow_.step, pow_.step_kind, pow_.reached) == (1, "call of Net", False)
     assert (addmm.step, addmm.step_kind, addmm.reached, addmm.reached_step) == \
-        (3, "top-level module call", True, 3)
+        (3, "call of Net", True, 3)
+    assert ", in call 3 of Net." in addmm.describe()
     assert report.first_nonfinite is addmm
 
 
+def test_a_loss_module_called_beside_the_model_is_no_step_of_its_own(nonfinite_engine):
+    model, criterion = Net(), torch.nn.MSELoss()
+    batches = [torch.rand(2, 4) * 0.01 for _ in range(3)]
+    batches[2][0, 0] = float("nan")  # the data of step 3: enters at its first op
+    with torchcast.track(nonfinite="record") as report:
+        for x in batches:
+            criterion(model(x), torch.zeros(2, 1)).backward()
+    (entry,) = report.nonfinite
+    assert (entry.step, entry.step_kind, entry.reached, entry.op) == (3, "call of Net", True,
+                                                                      "aten::addmm")
+    assert entry.entered.startswith("argument 'mat1': the input of Net (the top-level module)")
+
+
 def test_raise_still_stops_at_the_first_origin():
-    report, losses, error = train("raise")
+    report, losses, error = train("raise_at_op")
     assert losses == [] and error is not None
     assert _step1_pow(error.origin) and error.step == 1 and error.reached is None
     assert "whether its NaN/inf would reach the outputs, the loss or the gradients is not " \
         "known yet" in str(error)
 
 
-def test_raise_reached_stops_where_the_step_3_origin_reaches(nonfinite_engine):
-    report, losses, error = train("raise_reached")
+def test_raise_stops_where_the_step_3_origin_reaches(nonfinite_engine):
+    report, losses, error = train("raise")
     assert len(losses) == 2  # steps 1 and 2 ran to the end; step 3 stopped at the output
     assert error is not None and _step3_addmm(error.origin)
     assert (error.step, error.step_kind, error.reached_at) == (3, "optimizer step",
@@ -192,7 +206,7 @@ def test_an_origin_in_the_loss_reaches_the_loss(nonfinite_engine):
     assert exp.reached_at == "the loss (a tensor backward() ran from)"
     assert report.first_nonfinite is exp
     with pytest.raises(torchcast.NonFiniteError, match="reached the loss"):
-        with torchcast.track(nonfinite="raise_reached"):
+        with torchcast.track(nonfinite="raise"):
             # A new model: SGD's step wrote the NaN gradients into the first one's.
             out = Net().half()(torch.tensor([[1.0] * 4], dtype=HALF))
             torch.exp(out.float() * 100.0).mean().backward()
@@ -219,7 +233,7 @@ def test_a_backward_origin_names_the_forward_that_made_its_node(nonfinite_engine
     assert ("from finite inputs in backward, in the gradient of ToCopyBackward0, made by "
             f"Caster's forward (Caster.forward, ") in text
     assert f"test_track_nonfinite_steps.py:{LINE['backward']} (the line that ran backward)" in text
-    assert origin.step == 1 and origin.step_kind == "top-level module call"
+    assert origin.step == 1 and origin.step_kind == "call of Caster"
     back = torchcast.Report.from_json(report.to_json())
     assert back.nonfinite == report.nonfinite
 
@@ -238,7 +252,7 @@ def test_a_gradient_the_step_leaves_is_checked_at_the_exit(nonfinite_engine):
         origin.describe()
     model.zero_grad()
     with pytest.raises(torchcast.NonFiniteError, match="reached the gradients of Net's"):
-        with torchcast.track(nonfinite="raise_reached"):
+        with torchcast.track(nonfinite="raise"):
             (model(x).float() * 1e5).sum().backward()
 
 
@@ -250,7 +264,7 @@ def test_deferred_flags_are_read_before_each_check(monkeypatch):
     report, _, _ = train("record")
     assert [(o.op, o.step, o.reached) for o in report.nonfinite] == \
         [("aten::pow", 1, False), ("aten::addmm", 3, True)]
-    _, losses, error = train("raise_reached")
+    _, losses, error = train("raise")
     assert len(losses) == 2 and _step3_addmm(error.origin)
 
 
@@ -260,5 +274,5 @@ def test_an_exception_leaves_the_step_undecided(nonfinite_engine):
             torch.log(torch.tensor([-1.0]))
             raise KeyError("out")
     [origin] = report.nonfinite
-    assert origin.reached is None and origin.step == 0
+    assert origin.reached is None and origin.step is None  # no module ran: no steps
     assert "Absorbed" not in origin.describe() and "reached" not in origin.describe()

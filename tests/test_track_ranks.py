@@ -60,12 +60,14 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def train(model, rank, steps=3):
+def train(model, rank, steps=3, literal=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     for step in range(1, steps + 1):
         x = torch.randn(4, 8, generator=gen)
-        if rank == BAD_RANK and step == BAD_STEP:
+        if rank == BAD_RANK and step == BAD_STEP and literal:
+            x = x * torch.tensor(float("inf"))  # the literal inf
+        elif rank == BAD_RANK and step == BAD_STEP:
             x = x * 1e39  # the inf
         model(x).square().mean().backward()
         opt.step()
@@ -79,7 +81,8 @@ def worker(kind, action, rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     model = make_model()
-    if kind == "ddp":
+    literal = kind == "ddp_literal"
+    if kind in ("ddp", "ddp_literal"):
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         from torch.distributed.fsdp import fully_shard
@@ -88,7 +91,7 @@ def worker(kind, action, rank, port, out_dir):
                 fully_shard(layer)
         fully_shard(model)
     with torchcast.track(nonfinite=action, health=True) as report:
-        train(model, rank)
+        train(model, rank, literal=literal)
     alone = report.to_dict()
     merged = report.merge_ranks(dst=0)
     if rank == 0:
@@ -138,6 +141,21 @@ def test_ddp_merged_report_names_rank_step_and_op(tmp_path):
     results = run_ranks("ddp", "record", tmp_path)
     assert [code for code, _ in results] == [0, 0], results
     check_merged(tmp_path, "all_reduce")
+
+
+def test_a_literal_inf_on_one_rank_is_named_as_entering_there(tmp_path):
+    results = run_ranks("ddp_literal", "record", tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    from torchcast.tracker.report import Report
+    origins = Report.from_json((tmp_path / "merged.json").read_text()).nonfinite
+    first = origins[0]
+    assert (first.rank, first.op, first.step, first.arrived_through) == \
+        (BAD_RANK, "aten::mul", BAD_STEP, None), origins
+    assert first.entered.startswith("argument 'other': a 0-d tensor holding inf")
+    assert open(first.file).read().splitlines()[first.line - 1].strip() == \
+        'x = x * torch.tensor(float("inf"))  # the literal inf'
+    arrived = [o for o in origins if o.rank == 0]
+    assert [(o.arrived_through, o.from_ranks) for o in arrived] == [("all_reduce", [BAD_RANK])]
 
 
 def test_fsdp2_merged_report_names_rank_step_and_op(tmp_path):

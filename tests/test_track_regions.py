@@ -51,12 +51,12 @@ def regions_of(report):
             if r.file == __file__]
 
 
-@pytest.mark.parametrize("action", ["record", "raise"])
+@pytest.mark.parametrize("action", ["record", "raise_at_op"])
 def test_an_overflow_inside_a_compiled_block_is_named(overflowing, action):
     x = torch.ones(4, 8)
-    if action == "raise":
+    if action == "raise_at_op":
         with pytest.raises(NonFiniteError) as caught:
-            with torchcast.track(nonfinite="raise") as report:
+            with torchcast.track(nonfinite="raise_at_op") as report:
                 overflowing(x)
         origin = caught.value.origin
     else:

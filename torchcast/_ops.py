@@ -88,11 +88,13 @@ def _torch_all_finite_amax(t: torch.Tensor) -> Optional[float]:
 all_finite_amax = _C.all_finite_amax if WITH_EXTENSION else _torch_all_finite_amax
 # The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
 # start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),
-# take_propagated(), pause_nonfinite_watch(paused) -> whether it was paused.
+# take_propagated(), account_for_nonfinite(tensor), pause_nonfinite_watch(paused)
+# -> whether it was paused.
 # None without the extension.
 start_nonfinite_watch = _C.start_nonfinite_watch if WITH_EXTENSION else None
 stop_nonfinite_watch = _C.stop_nonfinite_watch if WITH_EXTENSION else None
 take_propagated = _C.take_propagated if WITH_EXTENSION else (lambda: 0)
+account_for_nonfinite = _C.account_for_nonfinite if WITH_EXTENSION else (lambda tensor: None)
 pause_nonfinite_watch = _C.pause_nonfinite_watch if WITH_EXTENSION else (lambda paused: False)
 
 

@@ -110,11 +110,13 @@ def build_parser():
                              f"elements above which it counts (default "
                              f"{DEFAULT.replace('%', '%%')!r}; 'all'; "
                              f"kinds: {', '.join(KINDS)}; e.g. 'overflow,nan,subnormal>1%%')")
-    parser.add_argument("--nonfinite", choices=("record", "warn", "raise", "raise_reached"),
-                        help="also check every op for NaN/inf made from finite inputs: list "
-                             "each such op, warn once per place, stop at the first one, or "
-                             "(raise_reached) stop where one's NaN/inf first reach a top-level "
-                             "module's output, the loss or the gradients an optimizer reads")
+    parser.add_argument("--nonfinite", choices=("record", "warn", "raise", "raise_at_op"),
+                        help="also find the ops that make NaN/inf from finite inputs and where "
+                             "NaN/inf no op made enter (the data, a checkpoint): list each, warn "
+                             "once per place, stop (raise) where their NaN/inf first reach a "
+                             "top-level module's output, the loss or the gradients an optimizer "
+                             "reads, before it writes, or (raise_at_op) stop at the first such "
+                             "op, even one whose NaN/inf the program would absorb")
     parser.add_argument("--health", action="store_true",
                         help="also measure each module's outputs and gradients (exponent "
                              "histograms, amax, zeros, subnormals) and print their headroom: what "
@@ -195,18 +197,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(opts.script)))
     code = 0
     tracking = os.getpid()
+    tracked = track(all_casts=True, policy=opts.policy, violations=opts.violations,
+                    nonfinite=opts.nonfinite, health=opts.health)
+    report = None
     try:
-        with track(all_casts=True, policy=opts.policy, violations=opts.violations,
-                   nonfinite=opts.nonfinite, health=opts.health) as report:
-            try:
-                runpy.run_path(opts.script, run_name="__main__")
-            except SystemExit as e:
-                code = _exit_code(e)
-            except KeyboardInterrupt:
-                code = 130
-            except Exception as e:  # the script's error: shown, then the report
-                _print_script_error(e, opts.script)
-                code = 1
+        # The script's end leaves the track: an error (the track's own
+        # NonFiniteError included) or Ctrl-C is in the report as what ended it.
+        with tracked as report:
+            runpy.run_path(opts.script, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e)
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as e:  # the script's error: shown, then the report
+        _print_script_error(e, opts.script)
+        code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     # The script's objects are unreachable now; collect them while the
@@ -214,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # collection has its worker thread drop Python objects then, and that
     # thread aborts the process (torch 2.13, also without torchcast).
     gc.collect()
-    if os.getpid() != tracking:
+    if report is None or os.getpid() != tracking:
         # A process the script forked, run on to the script's end: its track
         # left its records for the tracking process, which reports them all.
         return code

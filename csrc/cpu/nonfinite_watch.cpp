@@ -6,16 +6,26 @@
 // (on_end says which op of a chain of calls is the origin). Exceptions
 // cannot leave a RecordFunction callback, so the Python callback's are
 // printed as unraisable (the Python dispatch mode does "raise").
+//
+// NaN/inf that no watched op made (the program's data, a checkpoint, a
+// literal, a tensor made before the track) are found where they enter: the
+// storages the watched ops wrote NaN/inf into are known (a set of weak
+// references, empty on a healthy run); an op whose non-finite input is not
+// in it, or a non-finite Python number, is where they entered. Ops that
+// are not checked (views, clone, cat, ...) pass the mark on from their
+// inputs to their outputs without reading them.
 #include <ATen/record_function.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
-#include <algorithm>
 #include <vector>
 
 #include "../all_finite.h"
@@ -31,7 +41,60 @@ struct Origin {
   const char* overload;
   std::vector<c10::IValue> outputs, inputs;
   std::vector<c10::IValue> before;  // per input: what before_write read, else None
+  std::vector<int64_t> entered;     // an entry: the inputs that brought NaN/inf in
 };
+
+// A set of storages. A weak reference keeps a
+// StorageImpl's memory (not its data) allocated, so that its address is
+// not reused while it is a key here.
+class KnownNonfinite {
+ public:
+  bool empty() const { return size_.load(std::memory_order_relaxed) == 0; }
+
+  void mark(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    const c10::Storage& storage = t.storage();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    known_.try_emplace(storage.unsafeGetStorageImpl(), storage.getWeakStorageImpl());
+    if (known_.size() >= 2 * swept_) sweep();
+    size_.store(known_.size(), std::memory_order_relaxed);
+  }
+
+  bool contains(const at::Tensor& t) {
+    if (empty() || !t.defined() || !t.has_storage()) return false;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = known_.find(t.storage().unsafeGetStorageImpl());
+    return found != known_.end() && !found->second.expired();
+  }
+
+  void clear() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    known_.clear();
+    swept_ = kFirstSweep;
+    size_.store(0, std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr size_t kFirstSweep = 64;
+
+  void sweep() {  // the storages that died since: forgotten
+    for (auto it = known_.begin(); it != known_.end();) {
+      it = it->second.expired() ? known_.erase(it) : std::next(it);
+    }
+    swept_ = std::max(kFirstSweep, known_.size());
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> known_;
+  size_t swept_ = kFirstSweep;
+  std::atomic<size_t> size_{0};
+};
+
+// known: the storages watched ops wrote NaN/inf into (empty on a healthy
+// run, so that the ops not checked pay one atomic load); accounted: those
+// whose NaN/inf, if any, are accounted for elsewhere (a collective's output,
+// what an optimizer's step wrote), read only where an op made NaN/inf.
+KnownNonfinite known, accounted;
 
 struct OpCall : at::ObserverContext {
   OpCall* parent = nullptr;
@@ -42,6 +105,8 @@ struct OpCall : at::ObserverContext {
   bool decomposes = false;        // CompositeImplicitAutograd: its callees are the ops that run
   bool skip = false;              // not checked, nor the ops it calls
   bool recording_paused = false;  // RecordFunction is off in this thread until it ends
+  bool passes_mark = false;       // skipped, but its outputs hold known NaN/inf (an input's, or
+                                  // a non-finite number's)
   std::vector<at::Tensor> inputs;
   std::vector<c10::IValue> input_values;
   std::vector<c10::IValue> before;  // per input the op writes: its amax before the op
@@ -60,8 +125,11 @@ bool floating(const at::Tensor& t) {
   static const c10::DispatchKeySet wrappers =
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
                            c10::DispatchKey::Functionalize});
-  return t.defined() && (t.is_floating_point() || t.is_complex()) && t.numel() > 0 &&
-         t.device().is_cpu() && !t.key_set().has_any(wrappers) && t.has_storage() &&
+  // The wrappers and symbolic sizes first: numel() throws for a tensor
+  // with symbolic sizes (torch.compile's tracing with dynamic shapes).
+  return t.defined() && !t.key_set().has_any(wrappers) &&
+         !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && t.device().is_cpu() &&
+         (t.is_floating_point() || t.is_complex()) && t.numel() > 0 && t.has_storage() &&
          t.const_data_ptr() != nullptr;
 }
 
@@ -91,6 +159,76 @@ c10::IValue before_write(const c10::IValue& v, bool& bad) {
   return c10::IValue();
 }
 
+// Calls f on each tensor an IValue holds (a tensor, or a tensor list).
+template <typename F>
+void each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) f(t);
+  }
+}
+
+// A Python number that is not finite: NaN/inf the program passes on purpose
+// (masked_fill(mask, -inf), torch.full(..., -inf)), not an entry.
+bool nonfinite_number(const c10::IValue& v) { return v.isDouble() && !std::isfinite(v.toDouble()); }
+
+// A Python number the dispatcher carries as a tensor (x * inf: mul.Tensor's
+// other): the program's own number, as a double argument is.
+bool wrapped_number(const at::Tensor& t) {
+  return t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number();
+}
+
+// A 0-d tensor holding NaN/inf that no watched op made: a Python number
+// turned into a tensor (scores[0] = -inf fills with one, torch.tensor(inf)).
+bool nonfinite_scalar_tensor(const c10::IValue& v) {
+  return v.isTensor() && v.toTensor().dim() == 0 && !wrapped_number(v.toTensor()) &&
+         floating(v.toTensor()) &&
+         !known.contains(v.toTensor()) && !accounted.contains(v.toTensor()) &&
+         !all_finite(v.toTensor());
+}
+
+// Where the NaN/inf an op received through one input came from.
+enum class Source {
+  kNone,      // finite
+  kKnown,     // a watched op wrote them, or the program passed a number: passed on
+  kEntering,  // a tensor no watched op wrote: they enter here
+  kReturned,  // such a tensor, returned as it is (a no-op .to()): not here yet
+};
+
+// The source of one input. An input the op writes to is kKnown: what it
+// held may be stale or uninitialized memory the op overwrites (copy_'s
+// self, a reused buffer; before: its amax read before the op). One the op
+// returns is kReturned: it may return it unchanged (.to() of the dtype it
+// has), or write to it undeclared (FSDP's all_gather_copy_in).
+Source source_of(const c10::IValue& v, const c10::IValue& before,
+                 const std::vector<const c10::StorageImpl*>& returned) {
+  if (v.isDouble()) return std::isfinite(v.toDouble()) ? Source::kNone : Source::kKnown;
+  if (!before.isNone()) {
+    bool bad = false;
+    if (before.isDouble()) bad = !std::isfinite(before.toDouble());
+    if (before.isDoubleList()) {
+      for (const double amax : before.toDoubleList().vec()) bad |= !std::isfinite(amax);
+    }
+    return bad ? Source::kKnown : Source::kNone;
+  }
+  bool entering = false, passed = false, as_returned = false;  // a tensor list: any of them
+  each_tensor(v, [&](const at::Tensor& t) {
+    if (!floating(t) || all_finite(t)) return;
+    if (wrapped_number(t) || known.contains(t) || accounted.contains(t)) {
+      passed = true;
+    } else if (std::find(returned.begin(), returned.end(), t.storage().unsafeGetStorageImpl()) !=
+               returned.end()) {
+      as_returned = true;
+    } else {
+      entering = true;
+    }
+  });
+  if (entering) return Source::kEntering;
+  if (passed) return Source::kKnown;
+  return as_returned ? Source::kReturned : Source::kNone;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   // The ops an op that does not decompose calls are its implementation (the
   // copy_ inside _to_copy): its own output is what is checked.
@@ -98,8 +236,21 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   const OpInfo& info = info_of(fn);
   if (info.transparent) return nullptr;
   // Not checked, nor the ops it calls: views of an input, the ops named
-  // unchecked, torchcast's own (but safe_to's cast result).
-  const bool skip = info.view || info.unchecked || (info.own && !info.first_output);
+  // unchecked, torchcast's own (but safe_to's cast result). An unchecked op
+  // given a 0-d tensor of NaN/inf no watched op made (scores[0] = -inf) is
+  // where they enter: it is checked.
+  bool skip = info.view || (info.own && !info.first_output);
+  bool number = false;  // given a non-finite number: its outputs hold what the program placed
+  if (!skip && info.unchecked) {
+    // (detach_ of a literal is no fill: only an input it does not write counts)
+    const auto values = fn.inputs();
+    skip = true;
+    for (size_t i = 0; i < values.size(); ++i) {
+      const bool written = i < info.written.size() && info.written[i];
+      if (!written && nonfinite_scalar_tensor(values[i])) skip = false;
+    }
+    number = std::any_of(values.begin(), values.end(), nonfinite_number);
+  }
   auto call = std::make_unique<OpCall>();
   call->parent = current;
   current = call.get();
@@ -112,6 +263,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
   if (skip) {
     call->skip = true;
+    call->passes_mark = number;
+    if (!number && !known.empty() && !info.own) {
+      for (const c10::IValue& v : fn.inputs()) {
+        each_tensor(v, [&call](const at::Tensor& t) {
+          if (known.contains(t)) call->passes_mark = true;
+        });
+      }
+    }
     return call;
   }
   const Paused pause;
@@ -152,10 +311,12 @@ void report(const Origin& origin) {
     for (const c10::IValue& v : origin.outputs) outputs.append(torch::jit::toPyObject(v));
     for (const c10::IValue& v : origin.inputs) inputs.append(torch::jit::toPyObject(v));
     for (const c10::IValue& v : origin.before) before.append(torch::jit::toPyObject(v));
+    pybind11::object entered = pybind11::none();
+    if (!origin.entered.empty()) entered = pybind11::cast(origin.entered);
     // (paused: the callback's own ops, a rerun in a wider dtype, are not the program's)
-    PyObject* result = PyObject_CallFunction(watch_callback, "ssOOO", origin.name,
+    PyObject* result = PyObject_CallFunction(watch_callback, "ssOOOO", origin.name,
                                              origin.overload, outputs.ptr(), inputs.ptr(),
-                                             before.ptr());
+                                             before.ptr(), entered.ptr());
     if (result == nullptr) {
       PyErr_WriteUnraisable(watch_callback);
     } else {
@@ -172,20 +333,32 @@ void report(const Origin& origin) {
 // aten::_to_copy, not the copy_ inside it, and nn.Linear aten::addmm, not
 // aten::linear): as the dispatch mode sees ops. An origin passes up to the
 // caller, which may take its place, and is reported at the outermost call.
+// So does an entry: the first op whose non-finite output came from a
+// non-finite input that no watched op made.
 void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   auto* call = static_cast<OpCall*>(ctx);
   if (call == nullptr) return;
   if (call->recording_paused) at::enableRecordFunction(true);
   current = call->parent;
-  if (call->skip) return;
+  if (call->skip) {
+    if (call->passes_mark) {
+      for (const c10::IValue& v : fn.outputs()) each_tensor(v, [](const at::Tensor& t) {
+        known.mark(t);
+      });
+    }
+    return;
+  }
   const Paused pause;
   bool out_bad = false;
   std::vector<c10::IValue> outputs(fn.outputs().begin(), fn.outputs().end());
   if (outputs.empty()) {
-    // An in-place op that returns nothing (_foreach_mul_): what it wrote to
-    // is its output.
-    for (size_t i = 0; i < call->before.size(); ++i) {
-      if (!call->before[i].isNone()) outputs.push_back(call->input_values[i]);
+    // An op that returns nothing (_foreach_mul_, an out= op such as FSDP's
+    // split_with_sizes_copy): what it wrote to is its output.
+    const OpInfo& info = info_of(fn);
+    for (size_t i = 0; i < call->input_values.size(); ++i) {
+      const bool out = i < info.out_args.size() && info.out_args[i];
+      const bool written = i < call->before.size() && !call->before[i].isNone();
+      if (out || written) outputs.push_back(call->input_values[i]);
     }
   }
   const size_t checked = call->first_output ? std::min<size_t>(1, outputs.size()) : outputs.size();
@@ -204,14 +377,54 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     if (!call->inputs_read) {
       for (const at::Tensor& t : call->inputs) call->inputs_bad |= !all_finite(t);
     }
-    if (call->inputs_bad) {
+    std::vector<int64_t> entered;
+    bool passed_on = call->callee_nonfinite;  // NaN/inf that came with a known input
+    bool returned_only = false;  // only NaN/inf of an input it returned as it is
+    if (call->inputs_bad && !call->callee_nonfinite) {
+      std::vector<const c10::StorageImpl*> returned;
+      for (size_t i = 0; i < checked; ++i) each_tensor(outputs[i], [&returned](const at::Tensor& t) {
+        if (t.has_storage()) returned.push_back(t.storage().unsafeGetStorageImpl());
+      });
+      for (size_t i = 0; i < call->input_values.size(); ++i) {
+        const c10::IValue none;
+        const c10::IValue& before = i < call->before.size() ? call->before[i] : none;
+        switch (source_of(call->input_values[i], before, returned)) {
+          case Source::kEntering: entered.push_back(i); break;
+          case Source::kKnown: passed_on = true; break;
+          case Source::kReturned: returned_only = true; break;
+          case Source::kNone: break;
+        }
+      }
+      returned_only = returned_only && entered.empty() && !passed_on;
+      // Written into storage whose NaN/inf are accounted for: a collective's
+      // own copy into its output (gloo's reduce-scatter, as work.wait()
+      // runs), what arrives there.
+      bool into_accounted = false;
+      for (size_t i = 0; i < checked; ++i) each_tensor(outputs[i], [&](const at::Tensor& t) {
+        into_accounted |= accounted.contains(t);
+      });
+      if (into_accounted && !entered.empty()) {
+        entered.clear();
+        passed_on = true;
+        returned_only = false;
+      }
+    }
+    if (returned_only) return;  // nothing made, nothing passed on: as a view is
+    // Found where they entered: their next readers only pass them on.
+    for (const int64_t i : entered) each_tensor(call->input_values[i], [](const at::Tensor& t) {
+      known.mark(t);
+    });
+    if (call->inputs_bad && entered.empty()) {
       if (!call->callee_nonfinite) propagated.fetch_add(1, std::memory_order_relaxed);
     } else if (!call->decomposes) {
       call->origin = std::make_unique<Origin>(
           Origin{fn.name(), fn.overload_name(),
                  std::vector<c10::IValue>(outputs.begin(), outputs.begin() + checked),
-                 std::move(call->input_values), std::move(call->before)});
+                 std::move(call->input_values), std::move(call->before), std::move(entered)});
     }
+    for (size_t i = 0; i < checked; ++i) each_tensor(outputs[i], [](const at::Tensor& t) {
+      known.mark(t);
+    });
     if (call->parent != nullptr) call->parent->callee_nonfinite = true;
   }
   if (call->origin == nullptr) return;
@@ -231,6 +444,8 @@ void start_nonfinite_watch(PyObject* callback, const std::vector<std::string>& s
   Py_XDECREF(watch_callback);
   watch_callback = callback;
   propagated.store(0);
+  known.clear();
+  accounted.clear();
   handle = add_observer(at::RecordFunctionCallback(on_start, on_end)
                             .needsInputs(true)
                             .needsOutputs(true)
@@ -243,6 +458,8 @@ void stop_nonfinite_watch() {
 }
 
 int64_t take_propagated() { return propagated.exchange(0); }
+
+void account_for_nonfinite(const at::Tensor& t) { accounted.mark(t); }
 
 bool pause_nonfinite_watch(bool pause) {
   const bool previous = paused;

@@ -43,6 +43,7 @@ from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
 from .block_headroom import check_block_formats
 from .regions import RegionWatch
 from .updates import UpdateWatch
+from .workers import follow_workers, unfollow_workers
 from .report import Record, Report, SiteKey, merge_into
 from .sites import library_dirs, set_library_dirs, short_path, user_site
 from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,
@@ -280,13 +281,17 @@ class track:
             # Where processes forked in the block (DataLoader workers) leave
             # their casts and non-finite origins for this one.
             self._spool = recording.spool = open_spool(recording.report)
+            follow_workers(self._spool, {"all_casts": self.all_casts,
+                                         "nonfinite": self.nonfinite_action}, track)
         self._recording = recording
         return recording.report
 
     def __exit__(self, *exc: Any) -> bool:
         recording, self._recording = self._recording, None
-        reached = None  # "raise_reached": an origin found to reach at the exit
+        reached = None  # nonfinite "raise": an origin found to reach at the exit
         deferred = None  # policy "raise" of a cast under torch.inference_mode
+        recording.report.ended_by = _ended_early(exc[1])
+        failed = recording.report.ended_by is not None
         try:
             recording.report.compiled_regions = recording.regions.stop()
             recording.report.updates = recording.updates.stop()
@@ -297,9 +302,8 @@ class track:
                     nonfinite.stop_cpp(recording.watch)
                 else:
                     pop_mode(watch=recording.watch)
-                arrived = ranks.finish(recording.ranks, recording.report,
-                                       failed=exc[0] is not None)
-                reached = recording.watch.finish(failed=exc[0] is not None) or arrived
+                arrived = ranks.finish(recording.ranks, recording.report, failed=failed)
+                reached = recording.watch.finish(failed=failed) or arrived
             if self.all_casts:
                 remove_other_thread_recorder(recording.record_safe_to)
                 set_all_casts_track(False)
@@ -314,12 +318,25 @@ class track:
             uninstall(self.all_casts)
             spool, self._spool = self._spool, None
             if spool is not None:
+                unfollow_workers(spool)
                 close_spool(spool)  # in a forked child: leaves its records for the parent
         if reached is not None:
             raise reached
         if deferred is not None:
             raise deferred
         return False
+
+
+def _ended_early(error: Optional[BaseException]) -> Optional[str]:
+    """How the block ended, for Report.ended_by: None when it ran to its end
+    (sys.exit with status 0 too), else the exception, e.g.
+    "KeyboardInterrupt", "NonFiniteError: ..."."""
+    if error is None or (isinstance(error, SystemExit) and error.code in (0, None)):
+        return None
+    text = str(error).split("\n", 1)[0]
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 __all__ = ["NonFiniteError", "NonFiniteOrigin", "NonFiniteWarning", "Record", "Report",

@@ -25,7 +25,8 @@ from .html_health import (binades_to_max, block_headroom_section, headroom_secti
 from .html_parts import (counted, ellipsize, esc, html_table, module_tail, number, short_dtype,
                          titled)
 from .html_plan import plan_section
-from .nonfinite_origin import reach_rank
+from .nonfinite_origin import reach_rank, step_phrase
+from .report_dict import ended_early
 from .sites import short_path
 from .updates import ADVICE, LOST_NOTABLE, notable, row_label
 
@@ -69,7 +70,9 @@ def _origins(data: Dict[str, Any]) -> str:
         return ""
     reached = sum(1 for o in origins if o.get("reached"))
     absorbed = sum(1 for o in origins if o.get("reached") is False)
-    parts = [f"<h2>Where NaN/inf first appeared ({counted(len(origins), 'op')}; "
+    entries = sum(1 for o in origins if o.get("entered") is not None)
+    parts = [f"<h2>Where NaN/inf first appeared ({counted(len(origins) - entries, 'op')} made "
+             f"them, {counted(entries, 'entry', 'entries')} of NaN/inf no watched op made; "
              f"{esc(counted(data.get('propagated', 0), 'op call'))} only passed them on)</h2>"]
     if reached or absorbed:
         parts.append(f"<p>{reached} reached the outputs, the loss or the gradients (listed "
@@ -92,7 +95,7 @@ def _origins(data: Dict[str, Any]) -> str:
         calls = f" &middot; {o['count']} calls" if o.get("count", 1) > 1 else ""
         step = ""
         if o.get("step") is not None:
-            step = f"{esc(o.get('step_kind'))} {esc(o['step'])}: "
+            step = f"{esc(step_phrase(o.get('step_kind'), o['step']))}: "
             if o.get("reached"):
                 at = o.get("reached_step")
                 step += f"<b>reached {esc(o.get('reached_at'))}</b>" + (
@@ -105,8 +108,10 @@ def _origins(data: Dict[str, Any]) -> str:
             else:
                 step += "not decided (the block ended inside its step)"
             step = f"{step}<br>"
+        made = (f"received {esc(counts)} through {esc(o['entered'])}, no watched op made "
+                "them;" if o.get("entered") is not None else f"made {esc(counts)} in")
         parts.append(
-            f'<div class="origin"><b><code>{esc(o["op"])}</code></b> made {esc(counts)} in '
+            f'<div class="origin"><b><code>{esc(o["op"])}</code></b> {made} '
             f'{esc(short_dtype(o["dtype"]))} &middot; module '
             f'<code>{esc(o.get("module") or "-")}</code> '
             f'&middot; {esc(phase)} &middot; <code>{esc(where)}</code>{calls}<br>{step}'
@@ -154,7 +159,9 @@ def _casts(data: Dict[str, Any]) -> str:
                  esc(r["calls"]), esc(s["numel"])]
         for k in ("inexact", "nan", "overflow", "underflow", "subnormal"):
             cells.append(esc(s[k]) if measured else "-")
-        cells.append(esc(number(s["max_rel_err"])) if measured else "-")
+        # An overflowed element's relative error is inf (CastStats.worst_rel_err).
+        worst = "inf" if s.get("overflow") else s["max_rel_err"]
+        cells.append(esc(number(worst)) if measured else "-")
         cells.append(esc(number(s.get("sqnr_db"))) if measured else "-")
         rows.append(cells)
         classes.append("violation" if violations else "")
@@ -296,7 +303,10 @@ def render_html(data: Dict[str, Any], plan: Optional[Dict[str, Any]] = None) -> 
     origins = data.get("nonfinite")
     summary = [f"{len(records)} cast sites, {bad} with violations"]
     if origins is not None:
-        summary.append(f"{counted(len(origins), 'op')} made NaN/inf from finite inputs")
+        entries = sum(1 for o in origins if o.get("entered") is not None)
+        summary.append(f"{counted(len(origins) - entries, 'op')} made NaN/inf from finite inputs")
+        if entries:
+            summary.append(f"{counted(entries, 'entry', 'entries')} of NaN/inf no watched op made")
     if data.get("health"):
         summary.append(f"{len(data['health'])} module outputs and gradients measured")
     if data.get("updates"):
@@ -312,6 +322,8 @@ def render_html(data: Dict[str, Any], plan: Optional[Dict[str, Any]] = None) -> 
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<title>torchcast report</title>"
             f"<style>{_CSS}</style></head><body><h1>torchcast report</h1>"
+            + (f'<p class="ended">{esc(ended_early(data["ended_by"]))}</p>'
+               if data.get("ended_by") else "")
             + _what_to_fix(data, summary)
             + (f'<section id="origins">{origins_html}</section>' if origins_html else "")
             + _casts(data) + health_section(data, _origin_module(data))

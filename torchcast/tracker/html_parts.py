@@ -6,9 +6,9 @@ import html
 from typing import Any, List, Optional
 
 
-def counted(n: int, noun: str) -> str:
-    """"1 op", "3 ops"."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
+def counted(n: int, noun: str, plural: Optional[str] = None) -> str:
+    """"1 op", "3 ops" ("2 entries" with plural="entries")."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def esc(value: Any) -> str:

@@ -24,7 +24,7 @@ import bisect
 import threading
 import warnings
 import weakref
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -52,14 +52,16 @@ class ModuleCall:
             stand for one module); None for compiled code called first,
             and once the call has returned.
         parent: the call this one is inside, None for the outermost.
+        args: the positional arguments of the call while it runs (where
+            NaN/inf that entered came from: entries.py), then None.
     """
     __slots__ = ("path", "rel", "owner", "names", "start", "end", "parent", "module_id",
-                 "epoch")
+                 "epoch", "args")
 
-    def __init__(self, path, rel, owner, names, start, parent, module_id, epoch):
+    def __init__(self, path, rel, owner, names, start, parent, module_id, epoch, args):
         self.path, self.rel, self.owner = path, rel, owner
         self.names, self.start, self.end, self.parent = names, start, None, parent
-        self.module_id, self.epoch = module_id, epoch
+        self.module_id, self.epoch, self.args = module_id, epoch, args
 
 
 _names_cache = weakref.WeakKeyDictionary()
@@ -148,7 +150,9 @@ def _pre_hook(module, args):
         else:
             kind = type(module).__name__
             path, rel, owner = f"{parent.path}/{kind}", f"{parent.rel}/{kind}", module
-    call = ModuleCall(path, rel, owner, names, _sequence_nr(), parent, id(module), _epoch)
+    if module.__dict__.get("_forward_hooks"):
+        _keep_tail_hook(module)
+    call = ModuleCall(path, rel, owner, names, _sequence_nr(), parent, id(module), _epoch, args)
     stack.append(call)
     with _calls_lock:
         if len(_calls) >= _MAX_CALLS:
@@ -203,9 +207,37 @@ def remove_output_listener(listener) -> None:
         _all_listeners = _without(_all_listeners, listener)
 
 
+# torch runs the global forward hooks before a module's own: a module with
+# hooks of its own gets one more, kept last among them, that ends its call
+# instead (the ops its hooks run are its own, and its output is what they
+# leave). Removed with the global hooks.
+_tail_hooks = weakref.WeakKeyDictionary()  # module -> the handle of its tail hook
+
+
+def _keep_tail_hook(module) -> None:
+    hooks = module._forward_hooks
+    handle = _tail_hooks.get(module)
+    if handle is None or handle.id not in hooks:
+        _tail_hooks[module] = module.register_forward_hook(_tail_hook, always_call=True)
+    elif next(reversed(hooks)) != handle.id:
+        hooks.move_to_end(handle.id)
+
+
 def _post_hook(module, args, output):
     if torch.compiler.is_compiling():
         return
+    hooks = module.__dict__.get("_forward_hooks")
+    if hooks and module in _tail_hooks:
+        return  # its tail hook ends the call, after its own hooks
+    _end_call(module, output)
+
+
+def _tail_hook(module, args, output):
+    if not torch.compiler.is_compiling():
+        _end_call(module, output)
+
+
+def _end_call(module, output):
     stack = _stack()
     if stack and stack[-1].module_id == id(module):
         call = stack.pop()
@@ -217,7 +249,7 @@ def _post_hook(module, args, output):
         # not (the owner, and the root's children through names): a module
         # made for one call (a loss built at each step) would live on until
         # the last track exits.
-        call.owner = call.names = None
+        call.owner = call.names = call.args = None
 
 
 # torch.compile(module) warns at every call, while global module hooks
@@ -251,6 +283,9 @@ def remove_module_hooks(handles: Tuple[object, object, object]) -> None:
     *hooks, warning_filter = handles
     for handle in hooks:
         handle.remove()
+    for handle in list(_tail_hooks.values()):
+        handle.remove()
+    _tail_hooks.clear()
     try:
         warnings.filters.remove(warning_filter)
     except ValueError:  # warnings.resetwarnings() or a catch_warnings() exit removed it
@@ -260,6 +295,11 @@ def remove_module_hooks(handles: Tuple[object, object, object]) -> None:
     with _calls_lock:
         _calls.clear()
         _call_starts.clear()
+
+
+def running_calls() -> List[ModuleCall]:
+    """The module calls this thread is running, outermost first."""
+    return list(_stack())
 
 
 def current_module() -> Optional[str]:

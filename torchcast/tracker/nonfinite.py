@@ -11,7 +11,14 @@ the output; the inputs are read only when the output is non-finite, or
 before an in-place op). On other devices the check must not synchronize per
 op: each op leaves two flags on its device, with what is needed to describe
 it, and the flags are read once per ``PENDING_LIMIT`` ops and at the block's
-exit (under "raise", once per op: raising at the op needs its answer).
+exit (under "raise_at_op", once per op: raising at the op needs its answer).
+
+NaN/inf that no watched op made (the data, a worker's batch, a checkpoint,
+a literal) are found where they enter (entries.py): the first watched op
+whose non-finite output came from a non-finite tensor no watched op wrote
+(a non-finite Python number is the program's own, passed on purpose: a
+propagation). An entry is recorded as an origin is, with ``entered``
+saying which argument brought them in.
 
 An origin names the op, the module (for backward, the module whose forward
 made the autograd node), the phase, the user's line and the library frame,
@@ -35,13 +42,15 @@ import threading
 import time
 import warnings
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
 from .diagnose import op_name
+from .entries import (KnownNonfinite, describe_entry, nonfinite_number,
+                      nonfinite_scalar_tensor)
 from .modules import current_module, module_of_node
 from .own import unwatched
 from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
@@ -49,7 +58,7 @@ from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFi
 from .reach import StepTracker
 from .sites import user_site
 
-ACTIONS = ("raise", "raise_reached", "record", "warn")
+ACTIONS = ("raise", "raise_at_op", "record", "warn")
 PENDING_LIMIT = 256
 _CAST_WITH_STATS = torch.ops.torchcast.cast_with_stats.default
 # Ops not checked: those whose outputs are uninitialized memory (any bits,
@@ -58,7 +67,7 @@ _CAST_WITH_STATS = torch.ops.torchcast.cast_with_stats.default
 # outputs hold NaN/inf only if an input did, so they are never an origin.
 _UNCHECKED = frozenset((
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_",
-    "detach", "alias", "lift_fresh", "_unsafe_view",
+    "detach", "detach_", "alias", "lift_fresh", "_unsafe_view",
     "clone", "contiguous", "cat", "stack", "gather", "index_select", "select_backward",
     "slice_backward", "relu", "relu_", "threshold_backward", "bernoulli_", "zero_", "fill_",
     "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "masked_fill",
@@ -66,20 +75,21 @@ _UNCHECKED = frozenset((
 
 
 _Tensor = torch.Tensor
-_SKIP, _CHECK, _FIRST_OUTPUT = "skip", "check", "first output"
+_SKIP, _UNCHECKED_OP, _CHECK, _FIRST_OUTPUT = "skip", "unchecked", "check", "first output"
 _op_kinds = {}  # id(op) -> one of the above: OpOverload's __hash__ is Python code
 
 
 def _op_kind(func) -> str:
-    """Which of an op's outputs after_op checks."""
+    """Which of an op's outputs after_op checks (_UNCHECKED_OP: none, unless
+    the op was given a non-finite Python number: masked_fill(m, -inf))."""
     namespace = getattr(func, "namespace", None)
     if namespace in ("torchcast", "torchcast_track"):
         # torchcast's ops: only safe_to's cast result, not its stats nor the
         # tracker's own measures.
         return _FIRST_OUTPUT if func is _CAST_WITH_STATS else _SKIP
-    if op_name(func) in _UNCHECKED or getattr(func, "is_view", False):
+    if getattr(func, "is_view", False):
         return _SKIP
-    return _CHECK
+    return _UNCHECKED_OP if op_name(func) in _UNCHECKED else _CHECK
 
 
 def _bad(values: Sequence[Any]) -> bool:
@@ -153,8 +163,8 @@ def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
 
 
 class NonFiniteWatch:
-    """The non-finite origins of one track (``nonfinite=`` "raise",
-    "raise_reached", "record" or "warn"), in the order they happened, with
+    """The non-finite origins and entries of one track (``nonfinite=``
+    "raise", "raise_at_op", "record" or "warn"), in the order they happened, with
     their steps and whether their NaN/inf reached (start() to finish():
     ``steps``, a reach.StepTracker, decides those)."""
 
@@ -162,6 +172,10 @@ class NonFiniteWatch:
         self.action = action
         self.origins: Dict[tuple, NonFiniteOrigin] = {}
         self.propagated = 0
+        # The dispatch mode's route (the C++ watch keeps its own): the storages
+        # watched ops wrote NaN/inf into, and those whose NaN/inf are
+        # accounted for elsewhere (account_for).
+        self.known, self.accounted = KnownNonfinite(), KnownNonfinite()
         self.lock = threading.Lock()
         self.pending: List[tuple] = []  # non-CPU ops awaiting their flags' reading
         self.warned = set()
@@ -178,7 +192,7 @@ class NonFiniteWatch:
         to report; labels each origin it finds from now on with
         ``worker_id()``, and calls ``on_origin()`` after each new one is
         stored, before it is raised: the parent reads a worker's origins
-        when its track exits, and under "raise" that is as soon as the
+        when its track exits, and under "raise_at_op" that is as soon as the
         worker's error reaches it, while the worker still runs.
 
         Args:
@@ -195,7 +209,8 @@ class NonFiniteWatch:
     def after_op(self, func, args: tuple, kwargs: dict, out: Any,
                  inputs_bad: Union[None, bool, torch.Tensor], frame: Optional[FrameType],
                  before: Optional[Dict[str, Any]] = None) -> None:
-        """Checks one op's outputs; records (or raises for) an origin.
+        """Checks one op's outputs; records (or raises for) an origin or an
+        entry.
 
         Args:
             func: the op (an OpOverload).
@@ -208,16 +223,29 @@ class NonFiniteWatch:
         kind = _op_kinds.get(id(func))
         if kind is None:
             kind = _op_kinds[id(func)] = _op_kind(func)
-        if kind is _SKIP:
+        if kind is _UNCHECKED_OP:
+            values = tree_flatten((args, kwargs))[0]
+            read = [v for argument, v in _bound(func, args, kwargs) if not _written(argument)]
+            if any(nonfinite_scalar_tensor(v) and not self.known.contains(v)
+                   and not self.accounted.contains(v) for v in read):
+                kind = _CHECK  # scores[0] = -inf: where they enter
+            elif any(map(nonfinite_number, values)):
+                self.known.mark(tree_flatten(out)[0])  # placed by the program, on purpose
+                return
+        if kind is _SKIP or kind is _UNCHECKED_OP:
+            if self.known and self.known.any_of(tree_flatten((args, kwargs))[0]):
+                # Not read; but what it made of NaN/inf a watched op wrote is known.
+                self.known.mark(tree_flatten(out)[0])
             return
         if kind is _FIRST_OUTPUT:  # safe_to's cast: its result, not its stats (inf for an overflow)
             out = out[0]
         if type(out) is _Tensor:  # most ops: no pytree walk
             outs = [out] if floating_data(out) else []
-        elif out is None and before:
-            # An in-place op that returns nothing (_foreach_mul_): what it
-            # wrote to is its output.
-            outs = [t for argument, value in _bound(func, args, kwargs) if argument.name in before
+        elif out is None:
+            # An op that returns nothing (_foreach_mul_, an out= op such as
+            # FSDP's split_with_sizes_copy): what it wrote to is its output.
+            outs = [t for argument, value in _bound(func, args, kwargs)
+                    if argument.is_out or argument.name in (before or ())
                     for t in (value if isinstance(value, (list, tuple)) else [value])
                     if isinstance(t, torch.Tensor) and floating_data(t)]
         else:
@@ -230,17 +258,14 @@ class NonFiniteWatch:
                 return
             if inputs_bad is None:
                 inputs_bad = _bad(tree_flatten((args, kwargs))[0])
-            if bool(inputs_bad):
-                with self.lock:
-                    self.propagated += 1
-                return
-            self._found(func, args, kwargs, outs, frame, _where(frame), before)
+            self._nonfinite_output(func, args, kwargs, outs, bool(inputs_bad), frame,
+                                   _where(frame), before)
             return
         out_bad = _device_flag(outs, device)
         in_bad = (_device_flag(tree_flatten((args, kwargs))[0], device) if inputs_bad is None
                   else torch.as_tensor(inputs_bad).to(device))
         entry = (func, args, kwargs, outs, _where(frame), torch.stack([out_bad, in_bad]), before)
-        if self.action == "raise":
+        if self.action == "raise_at_op":
             self._settle([entry])
             return
         with self.lock:
@@ -262,16 +287,76 @@ class NonFiniteWatch:
     def _settle(self, entries):
         flags = torch.stack([e[5].cpu() for e in entries]).tolist()
         for (func, args, kwargs, outs, where, _, before), (out_bad, in_bad) in zip(entries, flags):
-            if not out_bad:
+            if out_bad:
+                self._nonfinite_output(func, args, kwargs, outs, bool(in_bad), None, where,
+                                       before)
+
+    def _nonfinite_output(self, func, args, kwargs, outs, inputs_bad, frame, where, before):
+        """An op whose output holds NaN/inf: an origin (finite inputs), an
+        entry (an input held NaN/inf no watched op made), or a propagation."""
+        entered = None
+        if inputs_bad:
+            entered, passed_on = self._entered(func, args, kwargs, before or {}, outs)
+            if not (entered or passed_on):
+                return  # only an input it returned as it is (a no-op .to()): as a view is
+        self.known.mark(outs)
+        if entered:  # found where they entered: their next readers only pass them on
+            bound = list(_bound(func, args, kwargs))
+            self.known.mark(tree_flatten([bound[i][1] for i in entered])[0])
+        if inputs_bad and not entered:
+            with self.lock:
+                self.propagated += 1
+            return
+        self._found(func, args, kwargs, outs, frame, where, before, entered)
+
+    def _entered(self, func, args: tuple, kwargs: dict, before: Dict[str, Any],
+                 outs: List[torch.Tensor]) -> Tuple[List[int], bool]:
+        """Where the NaN/inf an op received came from: the indices, in its
+        schema, of the inputs that held NaN/inf no watched op made, and
+        whether others passed on NaN/inf a watched op made (or a Python
+        number the program gave). An input the op writes to is of the
+        latter: what it held may be stale or uninitialized memory the op
+        overwrites (copy_'s self, a reused buffer; named in ``before``). One
+        it returns (``outs``) is neither: it may return it as it is (a
+        no-op .to()), or write to it undeclared (FSDP's all_gather_copy_in).
+        """
+        returned = {id(t.untyped_storage()) for t in outs}
+        if any(self.accounted.contains(t) for t in outs):
+            # Written into storage whose NaN/inf are accounted for: a
+            # collective's own copy into its output, what arrives there.
+            return [], True
+        entered, passed_on = [], False
+        for i, (argument, value) in enumerate(_bound(func, args, kwargs)):
+            if argument.is_out:
                 continue
-            if in_bad:
-                with self.lock:
-                    self.propagated += 1
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            if argument.name in before or any(nonfinite_number(t) for t in tensors):
+                passed_on = passed_on or any(
+                    nonfinite_number(t) for t in tensors) or any(
+                    amax is not None and not bool(torch.isfinite(torch.as_tensor(amax)).all())
+                    for amax in before.get(argument.name, ()))
                 continue
-            self._found(func, args, kwargs, outs, None, where, before)
+            bad = [t for t in tensors if isinstance(t, torch.Tensor) and floating_data(t)
+                   and not _ops.finite(t)]
+            unknown = [t for t in bad if not self.known.contains(t)
+                       and not self.accounted.contains(t)]
+            passed_on = passed_on or len(unknown) < len(bad)
+            if any(id(t.untyped_storage()) not in returned for t in unknown):
+                entered.append(i)
+        return entered, passed_on
+
+    def account_for(self, tensors: Iterable[Any]) -> None:
+        """Takes NaN/inf in ``tensors`` as accounted for, not as entering
+        where they are read next: what an optimizer's step wrote (from
+        gradients the watch saw, or by ops it saw; a step on DTensors runs
+        ops on their shards that no watch sees)."""
+        plain = [t for t in tensors if isinstance(t, torch.Tensor) and floating_data(t)]
+        self.accounted.mark(plain)
+        for t in plain:
+            _ops.account_for_nonfinite(t)
 
     # -- an origin ----------------------------------------------------------------
-    def _found(self, func, args, kwargs, outs, frame, where, before=None):
+    def _found(self, func, args, kwargs, outs, frame, where, before=None, entered=None):
         when = time.monotonic()
         module, phase, node, site = where
         out = next(t for t in outs if not _ops.torch_all_finite(t))
@@ -282,11 +367,18 @@ class NonFiniteWatch:
                                    int(torch.isposinf(values).sum()),
                                    int(torch.isneginf(values).sum()))
         forward = self.steps.forward(module) if phase == "backward" else None
+        if entered:
+            bound = list(_bound(func, args, kwargs))
+            entered_text = describe_entry([bound[i][0].name for i in entered],
+                                          [bound[i][1] for i in entered], self.steps.roots_now())
+            note = ""
+        else:
+            entered_text = None
+            note = wider_note(func, args, kwargs, out, any(i.overwritten for i in inputs))
         origin = NonFiniteOrigin(
             op=f"{func.namespace}::{op_name(func)}", module=module, phase=phase, node=node,
             file=site.file, line=site.line, via=site.via, dtype=out.dtype, nan=nan,
-            posinf=posinf, neginf=neginf, inputs=inputs,
-            note=wider_note(func, args, kwargs, out, any(i.overwritten for i in inputs)),
+            posinf=posinf, neginf=neginf, inputs=inputs, note=note, entered=entered_text,
             worker=self.worker_id() if self.worker_id is not None else None, time=when,
             **dict(zip(("forward", "forward_file", "forward_line"), forward or ())))
         with self.lock:
@@ -299,7 +391,7 @@ class NonFiniteWatch:
             self.steps.occurred(origin, module, phase)
         if self.on_origin is not None:
             self.on_origin()
-        if self.action == "raise":
+        if self.action == "raise_at_op":
             raise NonFiniteError(origin, _RAISED_AT_THE_OP)
         if self.action == "warn" and origin.key not in self.warned:
             self.warned.add(origin.key)
@@ -321,7 +413,7 @@ class NonFiniteWatch:
             failed: whether the block is left by an exception.
 
         Returns:
-            Under "raise_reached", the error for an origin found to reach at
+            Under "raise", the error for an origin found to reach at
             the exit (the track raises it once it is cleaned up), else None.
         """
         try:
@@ -352,15 +444,15 @@ def _inputs(func, args: tuple, kwargs: dict, before: Dict[str, Any]) -> List[Inp
 
 
 _RAISED_AT_THE_OP = (
-    "Raised at the op, before the program used its result: whether its NaN/inf would reach "
-    "the outputs, the loss or the gradients is not known yet (nonfinite=\"raise_reached\" "
-    "raises only for origins whose NaN/inf do).")
+    "Raised at the op (nonfinite=\"raise_at_op\"), before the program used its result: whether "
+    "its NaN/inf would reach the outputs, the loss or the gradients is not known yet "
+    "(nonfinite=\"raise\" stops only where they do).")
 
 
 # -- the C++ watch: CPU programs, "record" and "warn" -----------------------------
 # csrc/cpu/nonfinite_watch.cpp checks every op the dispatcher runs, at a
 # fraction of the dispatch mode's cost per op, and calls _on_origin at each
-# origin. An exception cannot leave it, so "raise" takes the dispatch mode;
+# origin. An exception cannot leave it, so "raise_at_op" takes the dispatch mode;
 # so does a program that uses CUDA (the mode keeps the flags on the device).
 
 _cpp = threading.local()  # .watches: this thread's NonFiniteWatches the C++ watch serves
@@ -368,8 +460,8 @@ _cpp = threading.local()  # .watches: this thread's NonFiniteWatches the C++ wat
 
 def checked_in_cpp(action: str) -> bool:
     """Whether a track(nonfinite=action) entered now is served by the C++ watch
-    ("raise_reached" raises from the step's checks, outside any op: it is)."""
-    return (_ops.start_nonfinite_watch is not None and action != "raise"
+    ("raise" raises from the step's checks, outside any op: it is)."""
+    return (_ops.start_nonfinite_watch is not None and action != "raise_at_op"
             and not torch.cuda.is_initialized())
 
 
@@ -400,10 +492,12 @@ def _take_propagated():
             watch.propagated += n
 
 
-def _on_origin(name: str, overload: str, outputs: list, inputs: list, before: list) -> None:
-    """The C++ watch's callback at an origin: the op, its outputs, its inputs
-    in schema order, and per input the amax (or list of them) of an input
-    the op wrote to, read before it did (None for the others)."""
+def _on_origin(name: str, overload: str, outputs: list, inputs: list, before: list,
+               entered: Optional[List[int]]) -> None:
+    """The C++ watch's callback at an origin or entry: the op, its outputs,
+    its inputs in schema order, per input the amax (or list of them) of an
+    input the op wrote to, read before it did (None for the others), and for
+    an entry the indices of the inputs that brought NaN/inf in."""
     namespace, op = name.split("::", 1)
     func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
     args, kwargs, written = [], {}, {}
@@ -420,7 +514,7 @@ def _on_origin(name: str, overload: str, outputs: list, inputs: list, before: li
     outs = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and floating_data(t)]
     where = _where(sys._getframe(1))
     for watch in list(_cpp.watches):
-        watch._found(func, tuple(args), kwargs, outs, None, where, written)
+        watch._found(func, tuple(args), kwargs, outs, None, where, written, entered)
 
 
 def checked_at_once(device: torch.device) -> bool:

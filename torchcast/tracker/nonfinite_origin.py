@@ -72,10 +72,12 @@ class NonFiniteOrigin:
     ``step_kind`` says: "optimizer step" when the block ran an optimizer's
     ``step()`` (any ``torch.optim.Optimizer``) in the track's thread, the
     number of the step being built (1 + the optimizer steps taken before it
-    since the block began); else "top-level module call", the number of
-    top-level module calls (a module called while no other module is
-    running) begun since the block began, the one running or the last one
-    (0 before the first). ``reached`` says whether its NaN/inf reached, in
+    since the block began); else "call of Net", the number of calls of the
+    first top-level module the block ran (Net; a module called while no
+    other module runs; other top-level modules, such as a loss module,
+    belong to its steps) begun since the block began, the one running or
+    the last one (0 before the first): ``step_phrase`` writes "call 3 of
+    Net". ``reached`` says whether its NaN/inf reached, in
     the same step, the block's outputs, the loss or the gradients and
     parameters the step leaves (True; ``reached_at`` says which, and
     ``reached_step`` in which step, counted as ``step``), or were absorbed
@@ -111,7 +113,7 @@ class NonFiniteOrigin:
     count: int = 1
     worker: Optional[int] = None
     step: Optional[int] = None
-    step_kind: Optional[str] = None  # "optimizer step" or "top-level module call"
+    step_kind: Optional[str] = None  # "optimizer step" or "call of Net" (step_phrase)
     reached: Optional[bool] = None
     reached_at: Optional[str] = None  # e.g. "the loss (a tensor backward() ran from)"
     reached_step: Optional[int] = None
@@ -130,6 +132,10 @@ class NonFiniteOrigin:
     arrived_through: Optional[str] = None
     from_ranks: Optional[List[int]] = None
     collective: Optional[str] = None
+    # An entry (entries.py): NaN/inf that no watched op made came into this
+    # op through the arguments this says, e.g. "argument 'mat1': the input
+    # of Net (the top-level module)"; None for an op that made them.
+    entered: Optional[str] = None
     # Not part of what an origin is: two reports of the same origins are equal.
     time: Optional[float] = dataclasses.field(default=None, compare=False)
 
@@ -141,7 +147,7 @@ class NonFiniteOrigin:
     @property
     def key(self) -> tuple:
         return (self.op, self.module, self.phase, self.node, self.file, self.line, self.via,
-                self.worker, self.rank)
+                self.worker, self.rank, self.entered)
 
     def describe(self) -> str:
         """One paragraph: what, where, in which step, whether it reached the
@@ -162,7 +168,7 @@ class NonFiniteOrigin:
             phase = (f"in {self.module}'s forward" if self.module
                      else "in forward, outside any tracked module")
         if self.step is not None:
-            where += f", in {self.step_kind} {self.step}"
+            where += f", in {step_phrase(self.step_kind, self.step)}"
         reach = self.reach_text()
         reach = f" {reach[0].upper()}{reach[1:]}." if reach else ""
         found = ", ".join(f"{n} {what}" for n, what in
@@ -173,8 +179,12 @@ class NonFiniteOrigin:
                     f"{phase}, at {where}: this rank's input to it was finite (amax: {inputs}), "
                     f"its {short_dtype_name(self.dtype)} output was not, so they were made "
                     f"{self.came_from()}: a propagation, not an origin.{reach}")
+        if self.entered is not None:
+            return (f"{found} entered at {self.op} {phase}, at {where}, through {self.entered}: "
+                    f"no op this track watched made them, they came with the values it was "
+                    f"given.{reach} Inputs: {inputs}.")
         return (f"{self.op} made {found} in its {short_dtype_name(self.dtype)} output from finite "
-                f"inputs {phase}, at {where}.{reach} Inputs: {inputs}. {self.note}")
+                f"inputs {phase}, at {where}.{reach} Inputs: {inputs}. {self.note}").rstrip()
 
     def came_from(self) -> str:
         """Where an arrival's NaN/inf were made, e.g. "on rank 1 (whose
@@ -195,7 +205,7 @@ class NonFiniteOrigin:
         3", "absorbed (the step's outputs, loss and gradients stayed
         finite)"; "" where not decided."""
         if self.reached:
-            step = f" at {self.step_kind} {self.reached_step}" \
+            step = f" at {step_phrase(self.step_kind, self.reached_step)}" \
                 if self.reached_step is not None else ""
             text = f"reached {self.reached_at}{step}"
             if self.absorbed_steps:
@@ -226,9 +236,9 @@ class NonFiniteOrigin:
 
 
 class NonFiniteError(RuntimeError):
-    """The first op that made NaN or ±inf from finite inputs
-    (``track(nonfinite="raise")``), or the first whose NaN/inf reached the
-    outputs, the loss or the gradients (``"raise_reached"``). ``origin`` is
+    """The origin (or entry) whose NaN/inf reached the outputs, the loss or
+    the gradients (``track(nonfinite="raise")``), or the first op that made
+    or received NaN or ±inf (``"raise_at_op"``). ``origin`` is
     its NonFiniteOrigin; its fields are also attributes of the error
     (``error.op``, ``error.module``, ``error.reached_at``).
 
@@ -247,6 +257,13 @@ class NonFiniteError(RuntimeError):
         return getattr(self.origin, name)
 
 
+
+
+def step_phrase(kind: Optional[str], step: int) -> str:
+    """A step as the reports write it: "optimizer step 3", "call 3 of Net"."""
+    if kind is not None and kind.startswith("call of "):
+        return f"call {step} of {kind[len('call of '):]}"
+    return f"{kind} {step}"
 
 
 def reach_rank(reached: Optional[bool], absorbed_steps: int = 0) -> int:
@@ -319,5 +336,15 @@ def wider_note(func, args: tuple, kwargs: dict, out: torch.Tensor,
                     f"{narrow}'s largest {limit:.6g}: {narrow}'s range overflowed.")
         return (f"In {wide} the result is finite (amax {amax:.4g}): an intermediate "
                 f"inside the op overflowed {narrow}.")
-    return (f"The result is non-finite in {wide} too: not a matter of "
-            f"{narrow}'s range (a log or sqrt of a negative number, 0/0, inf - inf).")
+    with torch.no_grad():
+        infinite = any(bool(torch.isinf(readable(t)).any()) for t in again)
+        undefined = any(bool(torch.isnan(readable(t)).any()) for t in again)
+    causes = []
+    if infinite:
+        causes.append("±inf where the value is infinite or beyond "
+                      f"{wide}'s range as well (log(0), x/0, exp of a large number)")
+    if undefined:
+        causes.append("NaN where it is undefined (a log or sqrt of a negative number, 0/0, "
+                      "inf - inf)")
+    return (f"The result is non-finite in {wide} too, so {narrow}'s range is not the cause: "
+            f"{' and '.join(causes)}.")

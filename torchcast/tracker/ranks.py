@@ -170,6 +170,11 @@ def _kernel(op, name: str):
                 return op(*args, **kwargs)
         outs = _tensors(args[out_at])
         ins = outs if in_at is None else _tensors(args[in_at])
+        # What arrives in the outputs is this module's to judge (arrivals),
+        # not NaN/inf entering the ops that read them, the collective's own
+        # copies into them included.
+        for watch in watches:
+            watch.watch.account_for(outs)
         with unwatched():
             bad, amax = _read_inputs(ins)
             with torch._C._AutoDispatchBelowAutograd():

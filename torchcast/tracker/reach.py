@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
-from .modules import add_output_listener, remove_output_listener
+from .modules import add_output_listener, remove_output_listener, running_calls
 from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, floating_data, reach_rank
 
 
@@ -69,7 +69,7 @@ class StepTracker:
 
     Of its watch (a ``NonFiniteWatch``) it reads ``lock`` (which guards the
     watch's origins and this tracker's undecided calls alike; a forked
-    process replaces it), ``origins``, ``action`` ("raise_reached" raises
+    process replaces it), ``origins``, ``action`` ("raise" raises
     from here), and ``pending`` and ``flush()``: the ops still awaiting
     their flags are read before a step's boundary, so that each gets the
     step it ran in.
@@ -90,7 +90,12 @@ class StepTracker:
         self.opt_seen = False  # an optimizer step began in the block
         self.opt_depth = 0  # optimizer steps running (one optimizer's step may call another's)
         self.opt_done = 0  # optimizer steps completed
-        self.calls_done = 0  # top-level module calls completed
+        # Without an optimizer, a step is a call of the first top-level
+        # module the block ran (the model; a loss module called beside it
+        # belongs to the step): calls_done counts them, by its id.
+        self.calls_done = 0
+        self.stepping_root: Optional[int] = None
+        self.stepping_name = ""
         # The undecided calls of origins, by (origin key, raw step), in time order.
         self.open: Dict[tuple, "_Occurrence"] = {}
         # Origin key -> [raw step of its first call, raw step where it reached]; a
@@ -116,7 +121,7 @@ class StepTracker:
         exception, its step did not end, and its origins stay undecided).
 
         Returns:
-            Under "raise_reached", the error for an origin found to reach at
+            Under "raise", the error for an origin found to reach at
             the exit, else None.
         """
         if self.started and not failed and not self.in_worker:
@@ -145,6 +150,11 @@ class StepTracker:
         self.open, self.raw, self.roots = {}, {}, {}
         self.in_worker = True
 
+    def roots_now(self) -> List[torch.nn.Module]:
+        """The top-level modules of the steps not yet ended (where an
+        entry's parameter is looked for)."""
+        return [root for root in (ref() for ref in list(self.roots.values())) if root is not None]
+
     def forward(self, module: Optional[str]) -> Optional[tuple]:
         """(name, file, line) of the forward method of the module at path
         ``module``, as seen when a call of it returned (a backward origin's
@@ -162,8 +172,9 @@ class StepTracker:
         """
         if not self.started or self.in_worker:
             return
-        # Only forward ops inside a call belong to the call running now.
-        in_call = phase == "forward" and module is not None
+        # Only forward ops inside a call of the stepping module belong to
+        # the call running now.
+        in_call = phase == "forward" and module is not None and self._in_stepping_call()
         raw = (self.opt_done, self.calls_done + in_call)
         self.raw.setdefault(origin.key, [raw, None])
         self._resolve(origin)
@@ -172,6 +183,12 @@ class StepTracker:
         in_step = self.opt_depth > 0
         outside = phase == "forward" and module is None and not in_step
         self.open[(origin.key, raw)] = _Occurrence(origin, raw, outside, in_step)
+
+    def _in_stepping_call(self) -> bool:
+        """Whether this thread runs a call of the stepping module now."""
+        calls = running_calls()
+        return bool(calls) and (self.stepping_root is None
+                                or calls[0].module_id == self.stepping_root)
 
     # -- deciding -------------------------------------------------------------------
     def _resolve(self, origin: NonFiniteOrigin) -> None:
@@ -183,21 +200,23 @@ class StepTracker:
         if self.opt_seen:
             origin.step_kind, origin.step = "optimizer step", first[0] + 1
             origin.reached_step = reach[0] + 1 if reach else None
-        else:
-            origin.step_kind, origin.step = "top-level module call", first[1]
+        elif self.stepping_root is not None:
+            origin.step_kind, origin.step = f"call of {self.stepping_name}", first[1]
             origin.reached_step = reach[1] if reach else None
+        else:  # no optimizer step, no module call: no steps to count
+            origin.step_kind = origin.step = origin.reached_step = None
 
     def _reached(self, at: str, now: tuple,
                  which: Callable[["_Occurrence"], bool] = lambda occurrence: True) -> None:
         """NaN/inf showed at ``at`` (in raw step ``now``): every undecided
-        origin (that ``which`` selects) reached; under "raise_reached",
+        origin (that ``which`` selects) reached; under "raise",
         raises for the first."""
         with self.watch.lock:
             keys = [key for key, occurrence in self.open.items() if which(occurrence)]
             occurrences = [self.open.pop(key) for key in keys]
             for occurrence in occurrences:
                 self._mark(occurrence.origin, at, now)
-        if self.watch.action == "raise_reached" and occurrences:
+        if self.watch.action == "raise" and occurrences:
             raise _reached_error([o.origin for o in occurrences], at)
 
     def _mark(self, origin: NonFiniteOrigin, at: str, now: tuple) -> None:
@@ -226,7 +245,7 @@ class StepTracker:
                     if origin.reached is None:
                         origin.reached = False
                 self._resolve(origin)
-        if at is not None and self.watch.action == "raise_reached":
+        if at is not None and self.watch.action == "raise":
             raise _reached_error([o.origin for o in occurrences], at)
 
     def _state_nonfinite(self) -> Optional[str]:
@@ -274,6 +293,18 @@ class StepTracker:
             return
         if self.watch.pending:
             self.watch.flush()
+        if self.stepping_root is None:
+            self.stepping_root = call.module_id
+            if call.owner is not None:
+                self.stepping_name = type(call.owner).__name__
+        if call.module_id != self.stepping_root:
+            # Another top-level module (a loss module): its output is the
+            # step's, its call no step of its own.
+            if self.open and self._any_nonfinite(tree_flatten(output)[0]):
+                self._reached(f"the output of {path or 'a compiled graph'}",
+                              (self.opt_done, self.calls_done))
+            self._keep_root(call)
+            return
         number = self.calls_done + 1
         try:
             if self.open and not self.opt_seen:
@@ -284,13 +315,17 @@ class StepTracker:
                               (self.opt_done, number))
             if self.open and not self.opt_seen:
                 self._close(lambda o: o.raw[1] < number, check=True)
-        finally:  # "raise_reached" may raise above: the call still counts
+        finally:  # "raise" may raise above: the call still counts
             self.calls_done = number
             if not self.opt_seen:
                 self.roots = {}
-            owner = call.owner
-            if owner is not None and id(owner) not in self.roots:
-                self.roots[id(owner)] = weakref.ref(owner)
+            self._keep_root(call)
+
+    def _keep_root(self, call) -> None:
+        """Keeps a top-level call's module among the open steps' roots."""
+        owner = call.owner
+        if owner is not None and id(owner) not in self.roots:
+            self.roots[id(owner)] = weakref.ref(owner)
 
     def _backward_from(self, outputs: Iterable[Any]) -> None:
         """backward() or autograd.grad() is about to run from ``outputs``."""
@@ -323,6 +358,9 @@ class StepTracker:
                 self.opt_depth -= 1  # raised before the step: no post-hook comes
                 raise
             return
+        states = [t for state in optimizer.state.values() for t in state.values()
+                  if isinstance(t, torch.Tensor)]
+        self.watch.account_for(_plain_parts(params + states))
         try:
             # The gradients it read were finite, or the origins before it
             # are decided already: NaN/inf in what it wrote are its own ops'.
@@ -330,8 +368,7 @@ class StepTracker:
                 if self._any_nonfinite(params):
                     self._reached(f"the parameters {name}.step() wrote", now,
                                   lambda o: o.in_step)
-                elif self._any_nonfinite(t for state in optimizer.state.values()
-                                         for t in state.values()):
+                elif self._any_nonfinite(states):
                     self._reached(f"the state {name}.step() keeps", now,
                                   lambda o: o.in_step)
             self._close(lambda o: True, check=False)
@@ -365,7 +402,7 @@ def _plain_parts(values: Iterable[Any]) -> Iterable[Any]:
 
 
 def _reached_error(origins: List[NonFiniteOrigin], at: str) -> NonFiniteError:
-    """track(nonfinite="raise_reached")'s error for the step's undecided
+    """track(nonfinite="raise")'s error for the step's undecided
     origins, which NaN/inf at ``at`` were seen to reach: it names the first
     never absorbed in another step (reach_rank), else the first."""
     origins = sorted(origins, key=lambda o: reach_rank(o.reached, o.absorbed_steps))

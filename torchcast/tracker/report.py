@@ -175,6 +175,9 @@ class Report:
         # What rounding did to the updates of the torchcast optimizers that
         # stepped in the block with track_updates=True (updates.py): rows.
         self.updates: List[Dict[str, Any]] = []
+        # Set when the block was left by an exception (its name and message),
+        # KeyboardInterrupt included: the report holds what was known then.
+        self.ended_by: Optional[str] = None
         self._sites = {}
         self._lock = threading.Lock()
 

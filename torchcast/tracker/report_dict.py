@@ -64,6 +64,14 @@ def float_from_json(value: Any, field: str) -> Any:
     return value
 
 
+def ended_early(ended_by: str) -> str:
+    """What a report says first when its block did not end normally
+    (``Report.ended_by``, e.g. "KeyboardInterrupt")."""
+    return (f"The block ended early ({ended_by}): this report holds what was recorded until "
+            "then; the non-finite origins of the step it stopped in are undecided, unless "
+            "they were seen to reach before it stopped.")
+
+
 def report_to_dict(report: Any) -> Dict[str, Any]:
     """``report`` (a Report) in its dict form: ``Report.to_dict``."""
     records = []
@@ -73,6 +81,8 @@ def report_to_dict(report: Any) -> Dict[str, Any]:
         records.append(record)
     data = {"format": FORMAT, "version": VERSION, "rtol": report.rtol,
             "atol": report.atol, "violations": str(report.kinds), "records": records}
+    if report.ended_by is not None:
+        data["ended_by"] = report.ended_by
     if report.nonfinite_watch is not None:
         data["nonfinite"] = [o.to_dict() for o in report.nonfinite]
         data["propagated"] = report.propagated
@@ -103,6 +113,7 @@ def report_from_dict(cls: type, data: Dict[str, Any]) -> Any:
     report = cls(float_from_json(data.get("rtol"), "rtol"),
                  float_from_json(data.get("atol"), "atol"), data.get("violations"))
     report.merge_records(data["records"])
+    report.ended_by = data.get("ended_by")
     if "nonfinite" in data:
         watch = report.nonfinite_watch = NonFiniteWatch("record")
         watch.propagated = data.get("propagated", 0)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, List, Optional
 from ..stats import short_dtype_name
 from .health import health_lines
 from .nonfinite_origin import reach_rank
+from .report_dict import ended_early
 from .updates import update_lines
 
 if TYPE_CHECKING:  # report.py imports this module
@@ -25,21 +26,22 @@ _LOSS_COLUMNS = ("inexact", "nan", "overflow", "saturated", "underflow", "subnor
 def render_table(report: "Report", limit: Optional[int] = None) -> str:
     """``report``'s records as a table, worst first: ``Report.table``."""
     records = report.records
-    lines = _nonfinite_lines(report)
+    lines = [f"torchcast.track: {ended_early(report.ended_by)}"] if report.ended_by else []
+    lines += _nonfinite_lines(report)
     shown = records if limit is None else records[:limit]
     bad = sum(1 for r in records if r.violations(report.rtol, report.atol, report.kinds))
     calls = sum(r.calls for r in records)
     head = (f"torchcast.track: {len(records)} cast sites, {calls} casts, "
             f"{bad} with violations (worst first)")
     if not records:  # a track that only watches says nothing of casts
-        only_watching = lines or report.health_watch is not None
+        only_watching = report.nonfinite_watch is not None or report.health_watch is not None
         return "\n".join((lines if only_watching else [head]) + _health_lines(report)
                          + update_lines(report.updates) + _region_lines(report))
     rows = [("site", "origin", "calls", "dtypes", "elements", *_LOSS_COLUMNS, "max rel err",
              "violations", "notes")]
     for r in shown:
         s = r.stats
-        losses = ([str(getattr(s, c)) for c in _LOSS_COLUMNS] + [f"{s.max_rel_err:.3g}"]
+        losses = ([str(getattr(s, c)) for c in _LOSS_COLUMNS] + [f"{s.worst_rel_err:.3g}"]
                   if r.measured else ["-"] * (len(_LOSS_COLUMNS) + 1))
         found = r.violations(report.rtol, report.atol, report.kinds)
         flagged = ", ".join(_phrase_kind(p) for p in found)
@@ -91,10 +93,12 @@ def _nonfinite_lines(report: "Report") -> List[str]:
     origins = report.nonfinite
     reached = sum(1 for o in origins if o.reached)
     absorbed = sum(1 for o in origins if o.reached is False)
-    lines = [f"torchcast.track: {len(origins)} op{'' if len(origins) == 1 else 's'} made NaN/inf "
-             f"from finite inputs ({reached} reached the outputs, loss or gradients, listed "
-             f"first; {absorbed} absorbed; each in time order), {report.propagated} op calls "
-             "passed NaN/inf on"]
+    entries = sum(1 for o in origins if o.entered is not None)
+    made = len(origins) - entries
+    lines = [f"torchcast.track: {made} op{'' if made == 1 else 's'} made NaN/inf from finite "
+             f"inputs, {entries} entr{'y' if entries == 1 else 'ies'} of NaN/inf no watched op "
+             f"made ({reached} reached the outputs, loss or gradients, listed first; {absorbed} "
+             f"absorbed; each in time order), {report.propagated} op calls passed NaN/inf on"]
     # A stable sort: time order within each rank.
     for o in sorted(origins, key=lambda o: reach_rank(o.reached, o.absorbed_steps)):
         calls = f" [{o.count} calls]" if o.count > 1 else ""

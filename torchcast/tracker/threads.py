@@ -118,6 +118,11 @@ class WorkerSpool:
         self.worker: Optional[int] = None
         self.left: Optional[str] = None  # what this process last wrote
 
+    def make_dir(self) -> None:
+        """Makes the spool's directory, before a worker process starts."""
+        if self.path is None:
+            self.path = tempfile.mkdtemp(prefix="torchcast-track-")
+
     def note_worker(self) -> None:
         """In a forked process, while it records: notes its DataLoader worker
         id (torch clears it before the process's exit functions run)."""
@@ -208,8 +213,7 @@ def close_spool(spool: WorkerSpool) -> None:
 
 def _before_fork() -> None:
     for spool in list(_spools):
-        if spool.path is None:
-            spool.path = tempfile.mkdtemp(prefix="torchcast-track-")
+        spool.make_dir()
 
 
 def _after_fork_in_child() -> None:
