@@ -182,7 +182,12 @@ def block_cast(x, format, block_size, scale_mode, tensor_scale=None):
         scale_bits, _ = _round(clamped.to(torch.float64), "float8_e4m3fn")
         s = _decode(scale_bits, "float8_e4m3fn")
         factor = (1 / pts) / s.to(wide)
-        v = blocks * factor.unsqueeze(-1)
+        # Where float32's (1 / t) / s overflows, float64's, and x times it in
+        # float64 (csrc/block_cast.h's BlockScale::wide).
+        wide_factor = (1 / tensor_scale.reshape(()).to(torch.float64)) / s
+        v = torch.where(torch.isinf(factor).unsqueeze(-1),
+                        blocks.to(torch.float64) * wide_factor.unsqueeze(-1),
+                        (blocks * factor.unsqueeze(-1)).to(torch.float64))
         scale_value = s * tensor_scale.reshape(()).to(torch.float64)
         scales = scale_bits.to(torch.uint8).view(torch.float8_e4m3fn)
 
