@@ -91,8 +91,7 @@ def _round(v, name):
     lo = torch.searchsorted(mids, a.nan_to_num(posinf=f.max), right=False)
     tie = a == mids[lo.clamp(max=len(mids) - 1)]
     code = lo + (tie & (lo % 2 == 1)).long()
-    threshold = f.first_overflow
-    saturated = (a >= threshold) if f.overflow_at_tie else (a > threshold)
+    saturated = f.rounds_past_max(a)
     code = torch.where(saturated, len(table) - 1, code)
     magnitude_bits = f.bits - 1
     nan_code = (1 << magnitude_bits) - 1 if f.has_nan else len(table) - 1
