@@ -423,7 +423,7 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(torchcast, m) {
   // scale: y = round(x * scale); saturate: None does what x.to(dtype) does
-  // (scale_data, resolve_saturate: cast_common.h).
+  // (kernel_scale, resolve_saturate: cast_common.h).
   m.def("cast_with_stats(Tensor x, ScalarType dtype, Tensor? scale=None, *, bool? saturate=None) "
         "-> (Tensor y, Tensor stats)");
   m.def("cast_with_stats.out(Tensor x, ScalarType dtype, Tensor? scale=None, *, "

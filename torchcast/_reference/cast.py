@@ -164,11 +164,12 @@ def check_scale(x, dtype, kind, scale):
         raise RuntimeError(
             f"torchcast.cast_with_stats: a scale applies to lossy casts; the cast of x from "
             f"{x.dtype} to {dtype} is exact. Drop scale (and multiply x yourself if you meant to)")
-    if scale.dtype != torch.float32 or scale.numel() != 1:
+    if not (scale.dtype == torch.float32 or scale.dtype == x.dtype == torch.float64) \
+            or scale.numel() != 1:
         raise RuntimeError(
-            f"torchcast.cast_with_stats: scale must be a one-element float32 tensor, got "
-            f"{scale.dtype} of shape {list(scale.shape)}; pass torch.tensor(value, "
-            "dtype=torch.float32, device=x.device)")
+            f"torchcast.cast_with_stats: scale must be a one-element float32 tensor (float64 "
+            f"also for a float64 x), got {scale.dtype} of shape {list(scale.shape)} for x of "
+            f"{x.dtype}; pass torch.tensor(value, dtype=torch.float32, device=x.device)")
     if scale.device != x.device:
         raise RuntimeError(
             f"torchcast.cast_with_stats: scale is on {scale.device} but x is on {x.device}; "
