@@ -396,13 +396,21 @@ struct ElementMeasure {
     // saturated x may be far from back, and then it is rounded once. A
     // finite y read back past From's range (a float32 x near its largest,
     // scale < 1: y / scale overflows float32) is read back in double, where
-    // it fits, and its error rounded once to From.
+    // it fits, and its error rounded once to From. In double (a float64 x
+    // within a rounding of float64's largest, a scale below 2^-896, where
+    // top / scale can pass 2^1024) both halves are halved, which is exact.
     From err = fabs(x - back);
     if constexpr (kScaled && sizeof(From) < sizeof(double)) {
       const bool back_over = y_finite & !((back - back) == From(0));
       const From wide = static_cast<From>(
           fabs(static_cast<double>(x) - static_cast<double>(yw) / static_cast<double>(scale)));
       err = back_over ? wide : err;
+    } else if constexpr (kScaled) {
+      if (scale < 0x1p-896) {  // the same for every element
+        const bool back_over = y_finite & !((back - back) == From(0));
+        const double halved = fabs(x * 0.5 - static_cast<double>(yw) / (scale * 2.0)) * 2.0;
+        err = back_over ? halved : err;
+      }
     }
     abs_err = measured ? err : From(0);
     const From denom = (measured & (x != From(0))) ? fabs(x) : From(1);

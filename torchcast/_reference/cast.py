@@ -217,10 +217,15 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     x_finite, y_finite = torch.isfinite(xf), torch.isfinite(yw)
     measured = x_finite & y_finite
     err = (xf - back).abs()
-    if scale is not None and xf.dtype != torch.float64:
-        # y / scale past float32's range while y is finite: read back in
-        # float64, the error rounded once (csrc/numerics.h's ElementMeasure).
-        wide = (xf.double() - yw.double() / scale.reshape(()).double()).abs().to(xf.dtype)
+    if scale is not None:
+        # y / scale past x's type's range while y is finite: float32 reads it
+        # back in float64, the error rounded once; float64 halves both terms
+        # (csrc/numerics.h's ElementMeasure).
+        s64 = scale.reshape(()).double()
+        if xf.dtype != torch.float64:
+            wide = (xf.double() - yw.double() / s64).abs().to(xf.dtype)
+        else:
+            wide = (xf * 0.5 - yw.double() / (s64 * 2)).abs() * 2
         err = torch.where(y_finite & ~torch.isfinite(back), wide, err)
     abs_err = torch.where(measured, err, zero)
     denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))
