@@ -9,6 +9,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import torchcast
 from torchcast.headroom import headroom, power_of_two_scale
@@ -171,6 +172,19 @@ def test_the_cpus_amax_scale_is_one_tensor_made(src):
     assert len(mode.seen) <= 4
     assert torch.equal(s, scale_for_amax(amax, torch.float8_e4m3fn, power_of_two=True,
                                          scale_dtype=torchcast.scaling.scale_dtype_for(src)))
+
+
+def test_amax_scaling_of_a_wrapper_subclass():
+    """A traceable wrapper subclass (TwoTensor; DTensor alike) has no data of
+    its own: its amax is read through its own dispatch, per inner tensor
+    (the C++ read of x's bits crashed the process on it)."""
+    a, b = torch.randn(8) * 3, torch.randn(8) * 1e-3
+    y = torchcast.safe_to(TwoTensor(a, b), torch.float8_e4m3fn, scale="amax", policy="ignore")
+    scale = torchcast.last_scale()
+    assert isinstance(y, TwoTensor) and isinstance(scale, TwoTensor)
+    assert torch.equal(scale.a, torchcast.scaling.amax_scale(a, torch.float8_e4m3fn))
+    assert torch.equal(scale.b, torchcast.scaling.amax_scale(b, torch.float8_e4m3fn))
+    assert torch.equal(bits(y.a), bits(torchcast.safe_to(a, torch.float8_e4m3fn, scale="amax")))
 
 
 @pytest.mark.parametrize("impl", ["kernel", "out", "reference"])

@@ -100,8 +100,9 @@ def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
     """The stats tensor ``cast_with_stats`` gives an exact cast of ``x`` (a
     float64/32/16 or bfloat16 tensor): numel and its NaN count, without
     casting it; on x's device, without a sync."""
-    # Under torch.compile, the traceable reference: _C's is no torch op.
-    if WITH_EXTENSION and not torch.compiler.is_compiling():
+    # Under torch.compile, the traceable reference: _C's is no torch op; and
+    # for a wrapper subclass, whose data only its own dispatch can read.
+    if WITH_EXTENSION and not torch.compiler.is_compiling() and plain_tensor(x):
         return _C.exact_cast_stats(x)
     return cast_reference.exact_cast_stats(x)
 

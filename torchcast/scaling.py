@@ -157,9 +157,11 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
         raise TypeError(f"torchcast.amax_scale: dtype must be a floating torch.dtype, got {dtype!r}")
     t = _SCALE_TYPES[scale_dtype_for(x.dtype)]
     top = float(torch.finfo(dtype).max)
-    if x.is_cpu and not torch.compiler.is_compiling():
+    if x.is_cpu and not torch.compiler.is_compiling() and (
+            _ops.plain_tensor is None or _ops.plain_tensor(x)):
         # On the CPU the amax is on the host already: the rule in Python
-        # floats, one tensor made, instead of a dozen 0-d tensor ops.
+        # floats, one tensor made, instead of a dozen 0-d tensor ops (a
+        # wrapper subclass, whose data its own dispatch reads, takes those).
         amax = _ops.all_finite_amax(x)
         if amax is None:  # NaN or inf in x: the finite elements' amax
             amax = _ops.exact_cast_stats(x)[_AMAX].item()
