@@ -17,6 +17,11 @@
 //    (amax / 6) / t, 2^-6, 448)) (NaN stays NaN); elements x * ((1 / t) / s)
 //    rounded to e2m1, clamped to +-6 (torchao's and NVIDIA's arithmetic, in
 //    float32 for float32 and narrower sources, float64 for float64 ones).
+//    Where the float32 multiplier (1 / t) / s overflows (t * s below about
+//    2^-128: a tiny tensor's default t, or a small block's s beside it),
+//    the multiplier and x times it are taken in float64, where they fit, as
+//    for a float64 source; torchao multiplies by inf there (zeros become NaN,
+//    everything else +-6).
 // The value an element stands for, y = element * scale (* t), is exact in
 // float64, and the statistics compare it with x (ElementMeasure's
 // definitions, numerics.h): a finite x in a NaN block reads back NaN and
@@ -206,6 +211,10 @@ template <typename W>
 struct BlockScale {
   uint32_t bits;
   W multiplier;
+  // NVFP4 only: the multiplier overflows W (a float), and this one, in
+  // float64, is used instead.
+  bool wide;
+  double wide_multiplier;
   double value;
   bool nan;
 };
@@ -235,6 +244,8 @@ TC_HD BlockScale<W> block_scale(W amax, ScaleMode mode, float tensor_scale) {
     s.multiplier = e8m0_multiplier<W>(s.bits);
     s.value = e8m0_value(s.bits);
     s.nan = s.bits == FormatE8M0::kNaN;
+    s.wide = false;
+    s.wide_multiplier = 0.0;
   } else {
     const W pts = static_cast<W>(tensor_scale);
     const W scaled = (amax / W(6)) / pts;
@@ -246,6 +257,9 @@ TC_HD BlockScale<W> block_scale(W amax, ScaleMode mode, float tensor_scale) {
     s.multiplier = (W(1) / pts) / static_cast<W>(f);
     s.value = static_cast<double>(f) * static_cast<double>(tensor_scale);
     s.nan = f != f;
+    // An infinite multiplier (never in float64: t >= 2^-149, s >= 2^-6).
+    s.wide = !s.nan & !((s.multiplier - s.multiplier) == W(0));
+    s.wide_multiplier = (1.0 / static_cast<double>(tensor_scale)) / static_cast<double>(f);
   }
   return s;
 }
@@ -256,7 +270,8 @@ TC_HD ElementFacts cast_element(typename Src::wide xv, const BlockScale<typename
   using W = typename Src::wide;
   ElementFacts f;
   bool sat;
-  f.bits = element_bits<Elem>(xv * s.multiplier, sat);
+  f.bits = s.wide ? element_bits<Elem>(static_cast<double>(xv) * s.wide_multiplier, sat)
+                  : element_bits<Elem>(xv * s.multiplier, sat);
   const float ev = float_from_float8_bits<Elem>(static_cast<uint8_t>(f.bits));
   const double y = static_cast<double>(ev) * s.value;
   const double xd = static_cast<double>(xv);

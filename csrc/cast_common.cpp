@@ -84,29 +84,34 @@ constexpr const char* kBadScale =
     "history): recompute it with torchcast.scaling.amax_scale(x, dtype), or skip this cast";
 }  // namespace
 
-const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
-                        const std::optional<at::Tensor>& scale) {
-  if (!scale.has_value()) return nullptr;
+std::optional<at::Tensor> kernel_scale(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
+                                       const std::optional<at::Tensor>& scale) {
+  if (!scale.has_value()) return std::nullopt;
   const at::Tensor& s = *scale;
   TORCH_CHECK(kind == CastKind::kNarrowing, "torchcast.cast_with_stats: a scale applies to lossy "
               "casts; the cast of x from ", dtype_name(x.scalar_type()), " to ", dtype_name(dtype),
               " is exact. Drop scale (and multiply x yourself if you meant to)");
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.numel() == 1, "torchcast.cast_with_stats: scale "
-              "must be a one-element float32 tensor, got ", dtype_name(s.scalar_type()),
-              " of shape ", s.sizes(), "; pass torch.tensor(value, dtype=torch.float32, device=x.device)");
+  const bool source64 = x.scalar_type() == at::kDouble;
+  TORCH_CHECK(s.numel() == 1 && (s.scalar_type() == at::kFloat ||
+                                 (source64 && s.scalar_type() == at::kDouble)),
+              "torchcast.cast_with_stats: scale must be a one-element float32 tensor (float64 "
+              "also for a float64 x), got ", dtype_name(s.scalar_type()), " of shape ", s.sizes(),
+              " for x of ", dtype_name(x.scalar_type()), "; pass torch.tensor(value, "
+              "dtype=torch.float32, device=x.device)");
   TORCH_CHECK(s.device() == x.device(), "torchcast.cast_with_stats: scale is on ", s.device(),
               " but x is on ", x.device(), "; move scale to x's device (it is read there, never "
               "on the host)");
   // y / 0 is not x's error; a zero scale is what delayed scaling makes from
   // an inf in its amax history.
   check_scale_value(s, kBadScale);
-  return s.const_data_ptr<float>();
+  return source64 ? s.to(at::kDouble) : s;
 }
 
 void check_scale_value(const at::Tensor& s, const char* message) {
   if (s.is_cpu()) {
-    const float v = *s.const_data_ptr<float>();
-    TORCH_CHECK_VALUE(v > 0.f && std::isfinite(v), message, "; got ", v);
+    const double v = s.scalar_type() == at::kDouble ? *s.const_data_ptr<double>()
+                                                    : *s.const_data_ptr<float>();
+    TORCH_CHECK_VALUE(v > 0.0 && std::isfinite(v), message, "; got ", v);
   } else {
     at::_assert_async(at::isfinite(s).logical_and_(s.gt(0)), message);
   }

@@ -26,7 +26,7 @@ CastKind classify_cast(at::ScalarType from, at::ScalarType to);
 // to float8_e4m3fn (+-inf included) and no others.
 bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to);
 
-// Checks that a one-element float32 scale s is positive and finite: read
+// Checks that a one-element float32 or float64 scale s is positive and finite: read
 // here on the CPU (TORCH_CHECK_VALUE with message and the value), queued on
 // the device elsewhere, so that no host synchronization is added and a bad
 // scale fails at the next one. A zero, negative or non-finite scale loses
@@ -34,11 +34,12 @@ bool resolve_saturate(std::optional<bool> saturate, at::ScalarType to);
 void check_scale_value(const at::Tensor& s, const char* message);
 
 // Checks a scaled cast's scale (a one-element float32 tensor on x's device,
-// for a lossy cast) and returns its element's address there, or nullptr
-// without a scale. The value is read by the kernels (and by
-// check_scale_value on the CPU).
-const float* scale_data(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
-                        const std::optional<at::Tensor>& scale);
+// for a lossy cast, or float64 for a float64 x) and returns it as the
+// kernels read it, ScaleOf the source: a float32 scale of a float64 x as a
+// float64 copy (made on the device, without a synchronization). The value
+// is read by the kernels (and by check_scale_value on the CPU).
+std::optional<at::Tensor> kernel_scale(const at::Tensor& x, at::ScalarType dtype, CastKind kind,
+                                       const std::optional<at::Tensor>& scale);
 
 // Checks a preallocated output for cast_with_stats.out: dtype, shape, device,
 // and that out overlaps neither itself nor x. (Autograd is refused by the
@@ -104,10 +105,16 @@ struct ChunkStats {
 // returns the stats; each backend registers these with its own Backend.
 
 // What a lossy cast does beyond rounding: saturate (resolved), and the
-// scale's device address (nullptr: unscaled).
+// scale's device address (nullptr: unscaled), a ScaleOf the source's wide
+// type (kernel_scale).
 struct CastOptions {
   bool saturate;
-  const float* scale;
+  const void* scale;
+
+  template <typename Wide>
+  TC_HD const ScaleOf<Wide>* scale_as() const {
+    return static_cast<const ScaleOf<Wide>*>(scale);
+  }
 };
 
 // Only lossy pairs reach Backend::narrowing<Src, Target>(x, y, options):
@@ -126,7 +133,8 @@ at::Tensor narrowing_to(const at::Tensor& x, at::ScalarType dtype, at::Tensor& y
 
 template <typename Backend>
 at::Tensor cast_into(const at::Tensor& x, CastKind kind, at::ScalarType dtype,
-                     const float* scale, std::optional<bool> saturate, at::Tensor& y) {
+                     const std::optional<at::Tensor>& scale, std::optional<bool> saturate,
+                     at::Tensor& y) {
   if (kind == CastKind::kExact) {
     y.copy_(x);
     // y holds every value of x (widened exactly): the same NaN, inf and amax.
@@ -134,7 +142,8 @@ at::Tensor cast_into(const at::Tensor& x, CastKind kind, at::ScalarType dtype,
     const bool through_y = !x.is_non_overlapping_and_dense() && y.is_non_overlapping_and_dense();
     return exact_cast_stats(through_y ? y : x);
   }
-  const CastOptions o{resolve_saturate(saturate, dtype), scale};
+  const CastOptions o{resolve_saturate(saturate, dtype),
+                      scale.has_value() ? scale->const_data_ptr() : nullptr};
   switch (x.scalar_type()) {
     case at::kDouble: return narrowing_to<Backend, double>(x, dtype, y, o);
     case at::kFloat: return narrowing_to<Backend, float>(x, dtype, y, o);
@@ -148,9 +157,9 @@ std::tuple<at::Tensor, at::Tensor> cast_with_stats(const at::Tensor& x, at::Scal
                                                    const std::optional<at::Tensor>& scale,
                                                    std::optional<bool> saturate) {
   const CastKind kind = classify_cast(x.scalar_type(), dtype);
-  const float* scale_ptr = scale_data(x, dtype, kind, scale);
+  const auto s = kernel_scale(x, dtype, kind, scale);
   auto y = at::empty_like(x, x.options().dtype(dtype));
-  auto stats = cast_into<Backend>(x, kind, dtype, scale_ptr, saturate, y);
+  auto stats = cast_into<Backend>(x, kind, dtype, s, saturate, y);
   return {y, stats};
 }
 
@@ -159,9 +168,9 @@ at::Tensor cast_with_stats_out(const at::Tensor& x, at::ScalarType dtype,
                                const std::optional<at::Tensor>& scale,
                                std::optional<bool> saturate, at::Tensor& out) {
   const CastKind kind = classify_cast(x.scalar_type(), dtype);
-  const float* scale_ptr = scale_data(x, dtype, kind, scale);
+  const auto s = kernel_scale(x, dtype, kind, scale);
   check_cast_out(x, dtype, out);
-  return cast_into<Backend>(x, kind, dtype, scale_ptr, saturate, out);
+  return cast_into<Backend>(x, kind, dtype, s, saturate, out);
 }
 
 }  // namespace torchcast

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "formats.h"  // the formats' facts, and TC_HD
 
@@ -312,6 +313,12 @@ struct SourceFormat<NarrowTarget<Bits>> {
   TC_HD static float widen(storage s) { return Bits::to_float(s); }
 };
 
+// A scaled cast's scale, for a source read as From: float64 for float64
+// sources (whose amax can lie far beyond float32's range, where no float32
+// scale reaches), float32 for the others.
+template <typename From>
+using ScaleOf = std::conditional_t<std::is_same<From, double>::value, double, float>;
+
 // x * scale for a scaled cast, rounded to odd in float64 (float_round_to_odd
 // one level up), so that rounding it to a narrower format equals one correct
 // rounding of the exact product. For a float32 x the product is exact (24 x
@@ -321,8 +328,7 @@ TC_HD double scaled_to_odd(float x, float scale) {
   return static_cast<double>(x) * static_cast<double>(scale);
 }
 
-TC_HD double scaled_to_odd(double x, float scale) {
-  const double s = scale;
+TC_HD double scaled_to_odd(double x, double s) {
   const double p = x * s;
   const double e = fma(x, s, -p);
   const uint64_t u = bit_cast<uint64_t>(p);
@@ -355,11 +361,11 @@ struct ElementMeasure {
   // inf/NaN.
   TC_HD ElementMeasure(From x, bool saturate) {
     const typename Target::storage rounded = Target::round(x);
-    measure<false>(x, rounded, (x == x) & !Target::finite(rounded), saturate, 1.f);
+    measure<false>(x, rounded, (x == x) & !Target::finite(rounded), saturate, ScaleOf<From>(1));
   }
 
   // y = round(x * scale).
-  TC_HD ElementMeasure(From x, bool saturate, float scale) {
+  TC_HD ElementMeasure(From x, bool saturate, ScaleOf<From> scale) {
     const double xs = scaled_to_odd(x, scale);
     const typename Target::storage rounded = Target::round(xs);
     measure<true>(x, rounded, (xs == xs) & !Target::finite(rounded), saturate, scale);
@@ -368,7 +374,7 @@ struct ElementMeasure {
  private:
   template <bool kScaled>
   TC_HD void measure(From x, typename Target::storage rounded, bool beyond, bool saturate,
-                     float scale) {
+                     ScaleOf<From> scale) {
     // x - x is 0 exactly for finite x and NaN for inf/NaN: a branch-free
     // test. Conditions combine with & and |, not && and ||: short-circuits
     // become branches, which keep the CPU loops from vectorizing.
@@ -390,13 +396,21 @@ struct ElementMeasure {
     // saturated x may be far from back, and then it is rounded once. A
     // finite y read back past From's range (a float32 x near its largest,
     // scale < 1: y / scale overflows float32) is read back in double, where
-    // it fits, and its error rounded once to From.
+    // it fits, and its error rounded once to From. In double (a float64 x
+    // within a rounding of float64's largest, a scale below 2^-896, where
+    // top / scale can pass 2^1024) both halves are halved, which is exact.
     From err = fabs(x - back);
     if constexpr (kScaled && sizeof(From) < sizeof(double)) {
       const bool back_over = y_finite & !((back - back) == From(0));
       const From wide = static_cast<From>(
           fabs(static_cast<double>(x) - static_cast<double>(yw) / static_cast<double>(scale)));
       err = back_over ? wide : err;
+    } else if constexpr (kScaled) {
+      if (scale < 0x1p-896) {  // the same for every element
+        const bool back_over = y_finite & !((back - back) == From(0));
+        const double halved = fabs(x * 0.5 - static_cast<double>(yw) / (scale * 2.0)) * 2.0;
+        err = back_over ? halved : err;
+      }
     }
     abs_err = measured ? err : From(0);
     const From denom = (measured & (x != From(0))) ? fabs(x) : From(1);

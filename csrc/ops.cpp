@@ -164,22 +164,26 @@ PyObject* wrap_tensors(std::tuple<Tensors...>&& results) {
   return tuple;
 }
 
-// cast_with_stats(x, dtype, scale=None, saturate=None) -> (y, stats) or None:
-// torch.ops.torchcast.cast_with_stats through the dispatcher (autograd,
-// dispatch modes, every backend as there), without torch.ops' conversion of
-// the arguments to a boxed stack and back, which costs about 2 us a call, more
-// than a small cast itself. None, and nothing done, where torch.ops is to
-// answer instead: arguments of other types (torch.ops' own errors), or
-// __torch_function__ applies (a mode is on, or an argument's class overrides
-// it), or x is on a device without compiled kernels.
+// cast_with_stats(x, dtype, scale=None, saturate=None, out=None) -> (y, stats)
+// or None: torch.ops.torchcast.cast_with_stats (its .out overload with out,
+// y being out) through the dispatcher (autograd, dispatch modes, every
+// backend as there), without torch.ops' conversion of the arguments to a
+// boxed stack and back, which costs about 2 us a call, more than a small cast
+// itself. None, and nothing done, where torch.ops is to answer instead:
+// arguments of other types (torch.ops' own errors), or __torch_function__
+// applies (a mode is on, or an argument's class overrides it), or x is on a
+// device without compiled kernels.
 PyObject* cast_with_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 2 || nargs > 4 || !THPVariable_Check(args[0]) || !THPDtype_Check(args[1]) ||
+  if (nargs < 2 || nargs > 5 || !THPVariable_Check(args[0]) || !THPDtype_Check(args[1]) ||
       (nargs > 2 && args[2] != Py_None && !THPVariable_Check(args[2])) ||
-      (nargs > 3 && args[3] != Py_None && !PyBool_Check(args[3]))) {
+      (nargs > 3 && args[3] != Py_None && !PyBool_Check(args[3])) ||
+      (nargs > 4 && args[4] != Py_None && !THPVariable_Check(args[4]))) {
     Py_RETURN_NONE;
   }
   const bool scaled = nargs > 2 && args[2] != Py_None;
-  if (!without_torch_function(args[0]) || (scaled && !without_torch_function(args[2]))) {
+  const bool into_out = nargs > 4 && args[4] != Py_None;
+  if (!without_torch_function(args[0]) || (scaled && !without_torch_function(args[2])) ||
+      (into_out && !without_torch_function(args[4]))) {
     Py_RETURN_NONE;
   }
   HANDLE_TH_ERRORS
@@ -189,6 +193,11 @@ PyObject* cast_with_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType,
                                                     const std::optional<at::Tensor>&,
                                                     std::optional<bool>)>();
+  static const auto out_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchcast::cast_with_stats", "out")
+          .typed<at::Tensor(const at::Tensor&, at::ScalarType, const std::optional<at::Tensor>&,
+                            std::optional<bool>, at::Tensor&)>();
   static const bool cuda_kernels = op.hasKernelForDispatchKey(c10::DispatchKey::CUDA);
   const at::Tensor& x = THPVariable_Unpack(args[0]);
   // Devices with compiled kernels only: elsewhere the caller runs the
@@ -204,7 +213,13 @@ PyObject* cast_with_stats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     // As torch.ops: other Python threads run while the kernel does (a
     // Python kernel or dispatch mode takes the GIL back itself).
     pybind11::gil_scoped_release no_gil;
-    result = op.call(x, dtype, scale, saturate);
+    if (into_out) {
+      at::Tensor out = THPVariable_Unpack(args[4]);
+      at::Tensor stats = out_op.call(x, dtype, scale, saturate, out);
+      result = {std::move(out), std::move(stats)};
+    } else {
+      result = op.call(x, dtype, scale, saturate);
+    }
   }
   return wrap_tensors(std::move(result));
   END_HANDLE_TH_ERRORS
@@ -361,8 +376,9 @@ PyMethodDef methods[] = {
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
     {"cast_with_stats",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(cast_with_stats)), METH_FASTCALL,
-     "torch.ops.torchcast.cast_with_stats(x, dtype, scale, saturate=saturate) without torch.ops' "
-     "argument conversion; None where torch.ops is to answer instead."},
+     "torch.ops.torchcast.cast_with_stats(x, dtype, scale, saturate=saturate), or its .out "
+     "overload given out, without torch.ops' argument conversion; None where torch.ops is to "
+     "answer instead."},
     {"tensor_health", tensor_health, METH_O,
      "torch.ops.torchcast.tensor_health(x) without torch.ops' argument conversion; None where "
      "torch.ops is to answer instead."},
@@ -437,7 +453,7 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(torchcast, m) {
   // scale: y = round(x * scale); saturate: None does what x.to(dtype) does
-  // (scale_data, resolve_saturate: cast_common.h).
+  // (kernel_scale, resolve_saturate: cast_common.h).
   m.def("cast_with_stats(Tensor x, ScalarType dtype, Tensor? scale=None, *, bool? saturate=None) "
         "-> (Tensor y, Tensor stats)");
   m.def("cast_with_stats.out(Tensor x, ScalarType dtype, Tensor? scale=None, *, "

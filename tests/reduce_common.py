@@ -1,7 +1,32 @@
-"""What the reduction tests share (tests/test_reduce.py, tests/test_cuda.py):
-bit-for-bit comparison of results (on any device against the CPU's) and
-spread-out inputs."""
+"""What the reduction tests share (tests/test_reduce.py, tests/test_cuda.py,
+tests/test_doc_claims.py): bit-for-bit comparison of results (on any device
+against the CPU's), spread-out inputs, and the terms of the accuracy bound
+(ulp, chain_length)."""
+import math
+
+import numpy as np
 import torch
+
+from torchcast._reference import order
+
+
+def ulp(v, dtype):
+    """Spacing of dtype at |v| (v a float64 array or scalar)."""
+    fi = torch.finfo(dtype)
+    a = np.abs(np.asarray(v, dtype=np.float64))
+    with np.errstate(divide="ignore"):
+        exp = np.floor(np.log2(np.maximum(a, fi.tiny)))
+    return np.exp2(exp) * fi.eps
+
+
+def chain_length(n, elem_size=4):
+    """Longest chain of compensated additions one element goes through in the
+    full-reduction order of csrc/reduce_common.h (each merge is two)."""
+    lanes = order.BLOCK_THREADS * (16 // elem_size)
+    nchunks = max(1, -(-n // order.CHUNK))
+    tree = 2 * int(math.log2(order.BLOCK_THREADS))
+    return (order.CHUNK // lanes + 2 * (16 // elem_size) + 2 * tree
+            + 2 * -(-nchunks // order.BLOCK_THREADS))
 
 
 def bits(t):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -305,6 +306,71 @@ def test_nvfp4_default_tensor_scale():
     for special in (torch.zeros(2, 16), torch.full((2, 16), math.inf),
                     torch.full((1, 16), math.nan)):
         assert torchcast.block_cast(special, "nvfp4").tensor_scale == 1.0
+    # amax / 2688 underflows float32: the smallest positive float32.
+    tiny = torch.full((1, 16), 2.0 ** -140)
+    assert torchcast.block_cast(tiny, "nvfp4").tensor_scale == 2.0 ** -149
+    assert torchcast.block_cast(tiny.double() / 2 ** 20, "nvfp4").tensor_scale == 2.0 ** -149
+
+
+# e2m1's non-negative values, decoded by ml_dtypes.
+E2M1_GRID = sorted({abs(float(v)) for v in np.arange(16, dtype=np.uint8)
+                    .view(ml_dtypes.float4_e2m1fn).astype(np.float64)})
+
+
+def assert_nearest_nvfp4(r):
+    """Every element of an NVFP4 cast stands for a value nearest x on its
+    block's grid (e2m1's values times the block scale times the tensor
+    scale, read with ml_dtypes), in exact arithmetic, zeros for zeros."""
+    x = r.source.detach().cpu().double().reshape(-1, r.source.shape[-1]).numpy()
+    y = _decode(r).reshape(x.shape)
+    scales = r.scales.cpu().contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    t = Fraction(float(r.tensor_scale))
+    for row, (xs, ys) in enumerate(zip(x, y)):
+        for i, (xv, yv) in enumerate(zip(xs, ys)):
+            unit = Fraction(float(scales.reshape(len(x), -1)[row, i // r.block_size])) * t
+            grid = [Fraction(g) * unit for g in E2M1_GRID]
+            best = min(abs(abs(Fraction(xv)) - g) for g in grid)
+            assert abs(Fraction(xv) - Fraction(yv)) == best, (row, i, xv, yv)
+            assert (yv == 0) or np.sign(yv) == np.sign(xv), (row, i, xv, yv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_nvfp4_tiny_tensor_keeps_its_zeros(device, dtype):
+    """Issue 40 item 1: amax below about 7.9e-36 makes the default tensor
+    scale t so small that 1 / t overflows float32; the elements were
+    multiplied by inf (zeros came back nonzero, the rest saturated to +-6).
+    Now each element is the nearest grid value, as for moderate tensors."""
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(1, 16) * 1e-36
+    x[0, 7] = 0
+    x = x.to(dtype)
+    r = assert_matches_reference(on_device(x, device), "nvfp4")
+    y = r.dequantize(torch.float64).cpu()
+    assert y[0, 7].item() == 0.0
+    assert r.stats.saturated == 0 and r.stats.nan == 0 and r.stats.overflow == 0
+    assert r.stats.sqnr_db > 18, r.stats.sqnr_db  # 20.4 dB is a normal tensor's
+    assert_nearest_nvfp4(r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_small_blocks_beside_a_tiny_amax(device, dtype):
+    """A tiny tensor's blocks of much smaller values: their e4m3 scale clamps
+    at 2^-6 and (1 / t) / s overflows float32 although 1 / t does not; and
+    values whose amax / (448 * 6) underflows float32 (the default tensor
+    scale is then 2^-149, not 1.0, which flushed them all)."""
+    rows = torch.zeros(3, 32, dtype=torch.float64)
+    rows[0, :16] = torch.linspace(-1, 1, 16) * 1e-34
+    rows[0, 16:] = torch.linspace(-1, 1, 16) * 3e-40
+    rows[1, :] = torch.linspace(-1, 1, 32) * 1e-40
+    rows[1, 5] = 0.0
+    # bfloat16's subnormals end at 2^-133, float32's at 2^-149
+    bottom = 2.0 ** (-133 if dtype == torch.bfloat16 else -149)
+    tiny = torch.tensor([[71.0, -64.0, 0.0, 50.0] * 4], dtype=torch.float64) * bottom
+    for x in (rows.to(dtype), tiny.to(dtype)):
+        r = assert_matches_reference(on_device(x, device), "nvfp4")
+        assert r.stats.saturated == 0 and r.stats.nan == 0 and r.stats.overflow == 0
+        assert r.tensor_scale.item() > 0 and r.tensor_scale.item() != 1.0
+        assert_nearest_nvfp4(r)
+        assert (r.dequantize(torch.float64)[x == 0] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -1,7 +1,8 @@
 """torchcast.block_cast bit for bit against torchao 0.18's reference casts
 (torchao.prototype.mx_formats: to_mx for MX in each ScaleCalculationMode,
 nvfp4_quantize for NVFP4), and the places where torchcast follows the OCP MX
-v1.0 specification or the exact cuBLAS/PTX rule instead (docs/formats.md).
+v1.0 specification or the exact cuBLAS/PTX rule instead, or departs where
+torchao's float32 arithmetic overflows (docs/formats.md's table).
 
 torchao is a test-only dependency (requirements.txt); without it these
 tests skip, saying why."""
@@ -145,6 +146,31 @@ def test_nvfp4_nan_blocks_and_default_tensor_scale():
     assert torch.equal(r.dequantize(), zeros)
     with pytest.raises(ValueError, match="tensor_scale must be positive and finite"):
         torchcast.block_cast(zeros, "nvfp4", tensor_scale=torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_tiny_tensor_departs_from_torchao(dtype):
+    """An exception to bit-exactness, where torchao is wrong (issue 40):
+    a tensor whose amax is below about 7.9e-36 gets a default tensor scale
+    t = amax / 2688 so small that torchao's (1 / t) / s is inf in float32.
+    torchao multiplies every element by it: a zero becomes NaN (its e2m1
+    code reads +-1.5, not 0) and every other element +-6. torchcast takes
+    that multiplier, and x times it, in float64 (docs/formats.md): the
+    same block scales as torchao, zeros stay zeros and every element is
+    the nearest e2m1 value (tests/test_block_cast.py checks that exactly)."""
+    x = (torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(1, 16) * 1e-36).to(dtype)
+    x[0, 7] = 0
+    t = per_tensor_amax_to_scale(x.float().abs().amax())
+    scale, data = nvfp4_quantize(x, 16, t)
+    r = torchcast.block_cast(x, "nvfp4")
+    assert r.tensor_scale == t
+    assert torch.equal(u8(r.scales), u8(scale))
+    codes = lambda d: torch.stack((u8(d) & 0xF, u8(d) >> 4), -1).reshape(-1)  # noqa: E731
+    theirs, ours = codes(data), codes(r.data)
+    assert theirs[7] & 0x7 != 0, "torchao: the zero's code is NaN's, not 0"
+    assert ((theirs & 0x7) == 0x7)[torch.arange(16) != 7].all(), "torchao: the rest +-6"
+    assert ours[7] & 0x7 == 0 and r.stats.saturated == 0
+    assert len(set((ours & 0x7).tolist())) > 4  # several magnitudes, not all 6
 
 
 @pytest.mark.parametrize("fmt", ELEMENT)

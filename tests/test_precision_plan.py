@@ -98,6 +98,37 @@ def test_tensorwise_matches_cast_with_stats():
     assert m.sqnr_db == pytest.approx(s.sqnr_db, abs=1e-6)
 
 
+# A float32 amax whose float32 scale 448 / amax rounds up by an ulp:
+# amax * scale is 448.00003 in float32, which rounds to 448 in e4m3.
+AMAX_ROUNDED_UP = 81.685356
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_a_scale_rounded_up_saturates_nothing(rowwise):
+    """Issue 40 item 3: the plan counted an element saturated where
+    |x * scale| > 448 in float32, so the amax of a small tensor whose scale
+    rounds up by one ulp was 1 of 64 elements "saturated" (1.56% > 0.1%) and
+    its Linear kept in bf16, while cast_with_stats with the same scale
+    counts none. The count is now what the cast does."""
+    torch.manual_seed(4)
+    x = torch.randn(4, 16)
+    x[1, 3] = AMAX_ROUNDED_UP
+    if rowwise:
+        x[:, 5] = AMAX_ROUNDED_UP  # every row's (and the column's) amax
+    scale = (448.0 / x.abs().amax().double()).float()
+    assert (x.abs().amax() * scale).item() > 448.0  # the float32 product past 448
+    _, stats = torchcast.cast_with_stats(x, torch.float8_e4m3fn, scale=scale.reshape(1),
+                                         saturate=True)
+    assert CastStats.from_tensor(stats, x.dtype, torch.float8_e4m3fn).saturated == 0
+    m = recipe_measure(x, "rowwise" if rowwise else "tensorwise", "input")
+    assert m.saturated == 0 and m.overflow_fraction == 0
+
+    model = nn.Sequential(nn.Linear(16, 8))
+    plan = torchcast.precision_plan(model, lambda: model(x).sum().backward(),
+                                    recipes=("tensorwise",))
+    assert not any("saturated" in reason for _, reason in plan.keep_in_bf16("tensorwise"))
+
+
 def test_rowwise_is_torchaos_two_casts(captured):
     x = captured[1]["input"]
     ref = Measure()

@@ -16,35 +16,15 @@ from hypothesis import strategies as st
 
 import torchcast
 from torchcast import _ops
-from torchcast._reference import order
 from torchcast._reference import reduce as R
 
 from devices import on_device
-from reduce_common import assert_bitwise, assert_matches, spread_sample
+from reduce_common import assert_bitwise, assert_matches, chain_length, spread_sample, ulp
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 U32 = 2.0 ** -24  # float32 unit roundoff
 U64 = 2.0 ** -53
 OPS = {"sum": torchcast.kahan_sum, "mean": torchcast.kahan_mean}
-
-
-def ulp(v, dtype):
-    """Spacing of dtype at |v| (v a float64 array or scalar)."""
-    fi = torch.finfo(dtype)
-    a = np.abs(np.asarray(v, dtype=np.float64))
-    with np.errstate(divide="ignore"):
-        exp = np.floor(np.log2(np.maximum(a, fi.tiny)))
-    return np.exp2(exp) * fi.eps
-
-
-def chain_length(n, elem_size=4):
-    """Longest chain of compensated additions one element goes through in the
-    full-reduction order of csrc/reduce_common.h (each merge is two)."""
-    lanes = order.BLOCK_THREADS * (16 // elem_size)
-    nchunks = max(1, -(-n // order.CHUNK))
-    tree = 2 * int(math.log2(order.BLOCK_THREADS))
-    return (order.CHUNK // lanes + 2 * (16 // elem_size) + 2 * tree
-            + 2 * -(-nchunks // order.BLOCK_THREADS))
 
 
 # ---------------------------------------------------------------------------

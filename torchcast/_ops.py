@@ -102,8 +102,9 @@ def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
     """The stats tensor ``cast_with_stats`` gives an exact cast of ``x`` (a
     float64/32/16 or bfloat16 tensor): numel and its NaN count, without
     casting it; on x's device, without a sync."""
-    # Under torch.compile, the traceable reference: _C's is no torch op.
-    if WITH_EXTENSION and not torch.compiler.is_compiling():
+    # Under torch.compile, the traceable reference: _C's is no torch op; and
+    # for a wrapper subclass, whose data only its own dispatch can read.
+    if WITH_EXTENSION and not torch.compiler.is_compiling() and plain_tensor(x):
         return _C.exact_cast_stats(x)
     return cast_reference.exact_cast_stats(x)
 
@@ -159,25 +160,25 @@ def _warn_fallback(device, stacklevel=3):
             RuntimeWarning, stacklevel=stacklevel)
 
 
-# cast_with_stats(x, dtype, scale, saturate) -> (y, stats), or None where it
-# declines (csrc/ops.cpp); None without the extension.
+# cast_with_stats(x, dtype, scale, saturate, out) -> (y, stats), or None where
+# it declines (csrc/ops.cpp); None without the extension.
 _cast_entry = _C.cast_with_stats if WITH_EXTENSION else None
 
 
 def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     """(y, stats): the fused op, or the pure-PyTorch fallback where no kernel exists."""
-    if out is None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         # torch.func refuses the op's C++ autograd Function (csrc/autograd.cpp)
         # and the fallback's old-style one: under its transforms, a Python one.
-        if _functorch_active():
+        if out is None and _functorch_active():
             return _FunctorchCast.apply(x, dtype, scale, saturate)
-        # First the C++ entry: it calls the op through the dispatcher as
-        # torch.ops does, without torch.ops' boxing of the arguments (about
-        # 2 µs, as much as a small cast). It declines (None) wherever
-        # __torch_function__ applies or x is on a device without compiled
-        # kernels; Dynamo cannot trace it.
+        # First the C++ entry (out= too): it calls the op through the
+        # dispatcher as torch.ops does, without torch.ops' boxing of the
+        # arguments (about 2 µs, as much as a small cast). It declines (None)
+        # wherever __torch_function__ applies or x is on a device without
+        # compiled kernels; Dynamo cannot trace it.
         if _cast_entry is not None:
-            result = _cast_entry(x, dtype, scale, saturate)
+            result = _cast_entry(x, dtype, scale, saturate, out)
             if result is not None:
                 return result
     return _cast(x, dtype, out, saturate, scale)

@@ -19,6 +19,7 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -
 # NVFP4's default tensor scale: amax / (largest e4m3 * largest e2m1), so
 # that the block with the tensor's amax gets the largest block scale.
 _NVFP4_SCALE_DIVISOR = FORMATS["float8_e4m3fn"].max * FORMATS["float4_e2m1fn"].max
+_FLOAT32_TINY = FORMATS["float32"].min_subnormal
 
 
 class BlockCast(NamedTuple):
@@ -126,13 +127,14 @@ class BlockCast(NamedTuple):
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4's default float32 tensor scale of x: amax(|x|) / (448 * 6), as
-    torchao's per_tensor_amax_to_scale, and 1.0 where that is zero or not
-    finite (an all-zero x, or one holding inf or NaN), where torchao's would
-    make every block scale NaN."""
-    amax = x.detach().abs().amax().to(torch.float32) if x.numel() else x.new_zeros(
-        (), dtype=torch.float32)
-    scale = amax / _NVFP4_SCALE_DIVISOR
-    return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    torchao's per_tensor_amax_to_scale; the smallest positive float32,
+    2^-149, where that quotient underflows to zero for a nonzero amax (below
+    about 1.9e-42), and 1.0 where amax is zero or the quotient not finite
+    (an all-zero x, or one holding inf or NaN): in both torchao's would make
+    every block scale NaN."""
+    amax = x.detach().abs().amax() if x.numel() else x.new_zeros(())
+    scale = (amax.to(torch.float32) / _NVFP4_SCALE_DIVISOR).clamp(min=_FLOAT32_TINY)
+    return torch.where(torch.isfinite(scale) & (amax > 0), scale, torch.ones_like(scale))
 
 
 def block_cast(x: torch.Tensor, format: str, *, block_size: Optional[int] = None,
@@ -164,7 +166,7 @@ def block_cast(x: torch.Tensor, format: str, *, block_size: Optional[int] = None
             (its default). docs/formats.md states each.
         tensor_scale: NVFP4 only: the float32 tensor scale (a one-element
             tensor on x's device, positive and finite); by default
-            amax(|x|) / (448 * 6), or 1.0 where that is zero or not finite.
+            amax(|x|) / (448 * 6) (``nvfp4_tensor_scale``).
 
     Returns:
         A :class:`BlockCast`: data, scales, stats, per-block facts and

@@ -38,7 +38,8 @@ _local = _ThreadState()
 
 def last_scale() -> Optional[torch.Tensor]:
     """The scale of the latest ``safe_to`` call in this thread: the 0-d
-    float32 tensor y was computed with (``y = round(x * scale)``, so
+    tensor y was computed with (float32; float64 from the amax recipes for
+    a float64 x; ``y = round(x * scale)``, so
     ``y.float() / scale`` reads it back; ``torch._scaled_mm`` wants
     ``scale.reciprocal()``), still on the device.
 
@@ -246,10 +247,12 @@ def safe_to(x: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
             its source line. Default: None (messages say ``safe_to``).
         scale (Tensor or str, optional): cast ``x * scale`` (rounded once)
             and measure ``y / scale`` against x: a one-element float32 tensor
-            on x's device, or "amax" (``torchcast.scaling.amax_scale``: x's
-            largest finite magnitude onto dtype's largest value, computed on
-            the device) or "amax_pow2" (the same rounded down to a power of
-            two, so that only y's rounding loses anything). The scale used is
+            on x's device (float64 also for a float64 x), or "amax"
+            (``torchcast.scaling.amax_scale``: x's largest finite magnitude
+            onto dtype's largest value, a float64 scale for a float64 x, so
+            that amax reaches the top at any magnitude) or "amax_pow2" (the
+            same rounded down to a power of two, so that only y's rounding
+            loses anything). The scale used is
             ``torchcast.last_scale()``. Lossy floating casts only. Default:
             None (unscaled).
         saturate (bool, optional): values beyond ``dtype``'s range (+-inf
@@ -360,7 +363,8 @@ def cast_with_stats(x: torch.Tensor, dtype: torch.dtype, *,
         out (Tensor, optional): the output tensor for y, of x's shape and
             dtype ``dtype``, on x's device.
         scale (Tensor, optional): a one-element float32 tensor on x's
-            device: y = round(x * scale), rounded once, and the stats measure
+            device (float64 also for a float64 x): y = round(x * scale),
+            rounded once, and the stats measure
             ``y / scale`` against x (the gradient is scale times y's).
             ``torchcast.scaling.amax_scale`` computes the usual one. Lossy
             casts only. Default: None (unscaled).

@@ -69,6 +69,19 @@ class Format:
         mantissa = int(self.max / 2.0 ** (self.emax - self.mantissa_bits))
         return mantissa % 2 == 1
 
+    def rounds_past_max(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """Whether each magnitude (>= 0; inf included) rounds to nearest even
+        past ``max``: what a saturating cast clamps and counts as saturated,
+        and what a plain one makes inf (or NaN). A value above max but below
+        ``first_overflow`` rounds to max: it is not saturated.
+
+        Args:
+            magnitude: a floating tensor of absolute values.
+        """
+        if self.overflow_at_tie:
+            return magnitude >= self.first_overflow
+        return magnitude > self.first_overflow
+
 
 def _table(*formats: Format) -> Dict[str, Format]:
     return {f.name: f for f in formats}

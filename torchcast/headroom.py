@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ._reference.health import format_exponents
-from .scaling import scale_for_amax
+from .scaling import scale_dtype_for, scale_for_amax
 
 FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 # health.py's histogram columns: 0: f == 0; 1 + min(L, 11) for the number L
@@ -81,14 +81,17 @@ def _format(dtype):
     return (*format_exponents(dtype), float(torch.finfo(dtype).max))
 
 
-def power_of_two_scale(amax: float, dtype: torch.dtype) -> float:
+def power_of_two_scale(amax: float, dtype: torch.dtype,
+                       source: torch.dtype = torch.float32) -> float:
     """The power-of-two scale ``safe_to(..., scale="amax_pow2")`` would use
-    for this amax: the largest power of two ``s <= 2^127`` with
-    ``max(amax, 1e-12) * s <= dtype's largest finite value``
+    for this amax of a ``source`` tensor: the largest power of two ``s`` of
+    its scale's dtype (up to 2^127 for float32 scales, 2^1023 for a float64
+    source's) with ``amax * s <= dtype's largest finite value``
     (``torchcast.scaling.scale_for_amax``, the one home of the rule)."""
     _format(dtype)
     amax_t = torch.tensor(amax, dtype=torch.float64)
-    return float(scale_for_amax(amax_t, dtype, power_of_two=True))
+    return float(scale_for_amax(amax_t, dtype, power_of_two=True,
+                                scale_dtype=scale_dtype_for(source)))
 
 
 def headroom(health, dtype: torch.dtype, scale: Union[None, float, str] = None) -> Headroom:
@@ -110,7 +113,7 @@ def headroom(health, dtype: torch.dtype, scale: Union[None, float, str] = None) 
     if scale is None:
         scale = 1.0
     elif scale == "amax":
-        scale = power_of_two_scale(health.amax, dtype)
+        scale = power_of_two_scale(health.amax, dtype, health.dtype)
     elif isinstance(scale, str):
         raise ValueError(f"torchcast headroom: scale must be None, a power of two or 'amax', "
                          f"got {scale!r}")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .block import block_cast
+from .formats import format_of
 from .stats import sqnr_db_of
 from .tracker.own import unwatched
 from .tracker.text_table import format_table, percent
@@ -95,7 +96,11 @@ def float8_measure(x: torch.Tensor, dtype: torch.dtype, dim: Optional[int],
     ``dim`` (one scale per row or column), scale = finfo(dtype).max / amax
     in float64 rounded to float32 (down to a power of two if
     ``power_of_two``), ``x.float() * scale`` clamped to the format's range
-    and cast; y is that divided by the scale, compared in float64.
+    and cast; y is that divided by the scale, compared in float64. An
+    element is saturated where its scaled value rounds past the format's
+    largest (``Format.rounds_past_max``), as ``cast_with_stats`` counts it:
+    the clamp changes nothing where the scaled value rounds to the largest
+    anyway (a scale rounded up by an ulp puts amax just above it).
 
     Args:
         x: a 2-D floating tensor.
@@ -122,7 +127,7 @@ def float8_measure(x: torch.Tensor, dtype: torch.dtype, dim: Optional[int],
     sq = torch.where(ok, x64 * x64, torch.zeros_like(y))
     return Measure(numel=x.numel(),
                    underflow=int(((x64 != 0) & (y == 0) & ok).sum()),
-                   saturated=int((finite & (scaled.abs() > top)).sum()),
+                   saturated=int((finite & format_of(dtype).rounds_past_max(scaled.abs())).sum()),
                    nonfinite=int((~ok).sum()),
                    sum_sq=float(sq.sum()), sum_sq_err=float((err * err).sum()))
 

@@ -1,5 +1,6 @@
-"""Compensated float32 reductions: results within about half an ulp of the
-exact sum, at float32 traffic.
+"""Compensated float32 reductions at float32 traffic: results within 2 ulp
+of the exact sum plus Neumaier's condition term (docs/reduce.md states the
+bound; about half an ulp on well-conditioned data).
 
 kahan_sum and kahan_mean take the arguments of torch.sum and torch.mean and
 accumulate in float32 with Neumaier compensation (float64 inputs, and any
@@ -57,8 +58,8 @@ def _check_args(fn, x, dim, keepdim, dtype) -> Optional[List[int]]:
 
 def kahan_sum(x: torch.Tensor, dim: Union[int, Sequence[int], None] = None,
               keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Sum of x over ``dim``, like ``torch.sum``, within about half an ulp of
-    the exact sum.
+    """Sum of x over ``dim``, like ``torch.sum``, within 2 ulp of the exact
+    sum plus Neumaier's condition term (docs/reduce.md).
 
     float16, bfloat16 and float32 x are accumulated in float32 with Neumaier
     compensation, float64 x in float64, in a fixed order: the result is the

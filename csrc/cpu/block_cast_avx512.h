@@ -14,9 +14,11 @@
 //    float32), so no element overflows, every one is measured, and y == 0
 //    exactly where ev == 0 (every scale is > 0). The float64 error terms are
 //    cast_element's operations, lane by lane.
-//  - A vector with a NaN or infinite x, or a NaN v (an infinite NVFP4
-//    multiplier times 0), and every element of a NaN-scaled block, take
-//    cast_element element by element.
+//  - The multiplier is finite, so v is NaN only where x is. A vector with a
+//    NaN or infinite x, every element of a NaN-scaled block, and every
+//    element of an NVFP4 block whose float32 multiplier overflows (its
+//    elements are scaled in float64: BlockScale::wide) take cast_element
+//    element by element.
 #pragma once
 
 #include "cast_avx512.h"
@@ -134,7 +136,7 @@ TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::Scal
       any_saturated |= f.saturated != 0;
     }
   };
-  if (s.nan) {
+  if (s.nan | s.wide) {
     one_by_one(0, n);
   } else {
     const __m512 multiplier = _mm512_set1_ps(s.multiplier);
@@ -149,8 +151,7 @@ TC_AVX512 uint32_t cast_block(const typename Src::storage* x, int n, block::Scal
       const int len = std::min(16, n - i);
       const __m512 xv = load_widened<Src>(x + i, valid(i));
       const __m512 v = _mm512_mul_ps(xv, multiplier);
-      if (_mm512_fpclass_ps_mask(xv, kClassNaN | kClassInf) |
-          _mm512_fpclass_ps_mask(v, kClassNaN)) {
+      if (_mm512_fpclass_ps_mask(xv, kClassNaN | kClassInf)) {
         one_by_one(i, len);
         continue;
       }

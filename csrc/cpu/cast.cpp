@@ -32,7 +32,7 @@ template <typename Src, typename Target, bool kScaled, bool kSaturate>
 TC_CPU_CLONES void portable_run(LaneState<Src>* __restrict__ st,
                                 const typename SourceFormat<Src>::storage* __restrict__ x,
                                 typename Target::storage* __restrict__ y, int lane, int n,
-                                float scale) {
+                                ScaleOf<typename SourceFormat<Src>::wide> scale) {
   using Format = SourceFormat<Src>;
   using Wide = typename Format::wide;
   using Count = std::conditional_t<sizeof(Wide) == 8, int64_t, int32_t>;
@@ -69,9 +69,11 @@ constexpr bool kIsFloat8 =
 
 template <typename Src, typename Target>
 bool avx512_covers(const CastOptions& o) {
-  if (o.scale != nullptr) {
-    return kIsFloat8<Target> && !std::is_same<Src, double>::value && *o.scale >= 0x1p-100f &&
-           *o.scale <= 0x1p100f;
+  if constexpr (std::is_same<Src, double>::value) {
+    if (o.scale != nullptr) return false;
+  } else if (o.scale != nullptr) {
+    const float scale = *o.scale_as<float>();
+    return kIsFloat8<Target> && scale >= 0x1p-100f && scale <= 0x1p100f;
   }
   return kIsFloat8<Target> || !o.saturate;
 }
@@ -87,11 +89,15 @@ struct CastCpu {
   static void run(State* st, const From* x, Storage* y, int lane, int64_t n, const CastOptions& o) {
 #ifdef TORCHCAST_HAVE_AVX512
     if (use_avx512() && avx512_covers<Src, Target>(o)) {
-      cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate, o.scale);
+      cpu::avx512::Kernel<Src, Target>::run(st, x, y, lane, n, o.saturate,
+                                            std::is_same<Src, double>::value
+                                                ? nullptr
+                                                : o.scale_as<float>());
       return;
     }
 #endif
-    const float scale = o.scale != nullptr ? *o.scale : 1.f;
+    using Scale = ScaleOf<typename SourceFormat<Src>::wide>;
+    const Scale scale = o.scale != nullptr ? *o.scale_as<Scale>() : Scale(1);
     const auto loop = o.scale != nullptr
                           ? (o.saturate ? portable_run<Src, Target, true, true>
                                         : portable_run<Src, Target, true, false>)

@@ -45,12 +45,13 @@ struct ThreadStats {
   CastCounts<int32_t> counts;
   Wide max_abs = 0, max_rel = 0, amax = 0;
   bool saturate, scaled;
-  float scale;
+  ScaleOf<Wide> scale;
 
   // scale: the scale's device address, nullptr for an unscaled cast (a
   // branch that is uniform across the grid).
-  __device__ __forceinline__ ThreadStats(bool saturate_, const float* scale_)
-      : saturate(saturate_), scaled(scale_ != nullptr), scale(scale_ != nullptr ? *scale_ : 1.f) {}
+  __device__ __forceinline__ ThreadStats(bool saturate_, const ScaleOf<Wide>* scale_)
+      : saturate(saturate_), scaled(scale_ != nullptr),
+        scale(scale_ != nullptr ? *scale_ : ScaleOf<Wide>(1)) {}
 
   // Measures x into lane v (a compile-time index after unrolling, so that the
   // lanes stay in registers) and returns the rounded value.
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t base = c * kChunk;
     const int64_t rest = numel - base;  // std::min would take kChunk by reference: host-only
     const int n = static_cast<int>(rest < kChunk ? rest : kChunk);
-    ThreadStats<Src, Target> st(options.saturate, options.scale);
+    ThreadStats<Src, Target> st(options.saturate, options.template scale_as<Wide>());
     int done = 0;
     if constexpr (kVector) done = vector_steps(st, x + base, y + base, n);
     scalar_steps(st, x, y, offsets, base, done, n);

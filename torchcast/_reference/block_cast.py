@@ -91,8 +91,7 @@ def _round(v, name):
     lo = torch.searchsorted(mids, a.nan_to_num(posinf=f.max), right=False)
     tie = a == mids[lo.clamp(max=len(mids) - 1)]
     code = lo + (tie & (lo % 2 == 1)).long()
-    threshold = f.first_overflow
-    saturated = (a >= threshold) if f.overflow_at_tie else (a > threshold)
+    saturated = f.rounds_past_max(a)
     code = torch.where(saturated, len(table) - 1, code)
     magnitude_bits = f.bits - 1
     nan_code = (1 << magnitude_bits) - 1 if f.has_nan else len(table) - 1
@@ -182,7 +181,12 @@ def block_cast(x, format, block_size, scale_mode, tensor_scale=None):
         scale_bits, _ = _round(clamped.to(torch.float64), "float8_e4m3fn")
         s = _decode(scale_bits, "float8_e4m3fn")
         factor = (1 / pts) / s.to(wide)
-        v = blocks * factor.unsqueeze(-1)
+        # Where float32's (1 / t) / s overflows, float64's, and x times it in
+        # float64 (csrc/block_cast.h's BlockScale::wide).
+        wide_factor = (1 / tensor_scale.reshape(()).to(torch.float64)) / s
+        v = torch.where(torch.isinf(factor).unsqueeze(-1),
+                        blocks.to(torch.float64) * wide_factor.unsqueeze(-1),
+                        (blocks * factor.unsqueeze(-1)).to(torch.float64))
         scale_value = s * tensor_scale.reshape(()).to(torch.float64)
         scales = scale_bits.to(torch.uint8).view(torch.float8_e4m3fn)
 

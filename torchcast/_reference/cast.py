@@ -164,11 +164,12 @@ def check_scale(x, dtype, kind, scale):
         raise RuntimeError(
             f"torchcast.cast_with_stats: a scale applies to lossy casts; the cast of x from "
             f"{x.dtype} to {dtype} is exact. Drop scale (and multiply x yourself if you meant to)")
-    if scale.dtype != torch.float32 or scale.numel() != 1:
+    if not (scale.dtype == torch.float32 or scale.dtype == x.dtype == torch.float64) \
+            or scale.numel() != 1:
         raise RuntimeError(
-            f"torchcast.cast_with_stats: scale must be a one-element float32 tensor, got "
-            f"{scale.dtype} of shape {list(scale.shape)}; pass torch.tensor(value, "
-            "dtype=torch.float32, device=x.device)")
+            f"torchcast.cast_with_stats: scale must be a one-element float32 tensor (float64 "
+            f"also for a float64 x), got {scale.dtype} of shape {list(scale.shape)} for x of "
+            f"{x.dtype}; pass torch.tensor(value, dtype=torch.float32, device=x.device)")
     if scale.device != x.device:
         raise RuntimeError(
             f"torchcast.cast_with_stats: scale is on {scale.device} but x is on {x.device}; "
@@ -216,10 +217,15 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     x_finite, y_finite = torch.isfinite(xf), torch.isfinite(yw)
     measured = x_finite & y_finite
     err = (xf - back).abs()
-    if scale is not None and xf.dtype != torch.float64:
-        # y / scale past float32's range while y is finite: read back in
-        # float64, the error rounded once (csrc/numerics.h's ElementMeasure).
-        wide = (xf.double() - yw.double() / scale.reshape(()).double()).abs().to(xf.dtype)
+    if scale is not None:
+        # y / scale past x's type's range while y is finite: float32 reads it
+        # back in float64, the error rounded once; float64 halves both terms
+        # (csrc/numerics.h's ElementMeasure).
+        s64 = scale.reshape(()).double()
+        if xf.dtype != torch.float64:
+            wide = (xf.double() - yw.double() / s64).abs().to(xf.dtype)
+        else:
+            wide = (xf * 0.5 - yw.double() / (s64 * 2)).abs() * 2
         err = torch.where(y_finite & ~torch.isfinite(back), wide, err)
     abs_err = torch.where(measured, err, zero)
     denom = torch.where(measured & (xf != 0), xf.abs(), torch.ones_like(xf))

@@ -88,7 +88,7 @@ def _narrow(f, dtype, saturate):
 def _two_product_error(a, b):
     """The exact error a * b - fl(a * b) of float64 tensors, by Dekker's
     splitting (no fma in torch); exact where |a|, |b| < 2^995 and the
-    product does not underflow."""
+    product does not underflow (scaled_to_odd passes mantissas)."""
     def split(v):
         c = v * 134217729.0  # 2^27 + 1
         hi = c - (c - v)
@@ -104,12 +104,19 @@ def scaled_to_odd(x, scale):
     """x * scale rounded to odd in float64, as numerics.h's scaled_to_odd:
     exact for float32 and narrower x; for float64 x the product rounded to
     nearest, corrected by its exact error. scale: a one-element float32
-    tensor."""
+    tensor (float64 for a float64 x)."""
     s = scale.reshape(()).to(torch.float64)
     if x.dtype != torch.float64:
         return (x if x.dtype == torch.float32 else widen_exact(x)).double() * s
     p = x * s
-    e = torch.nan_to_num(_two_product_error(x, s.expand_as(x)), nan=0.0, posinf=0.0, neginf=0.0)
+    # The error's sign from the mantissas' product (in [1/4, 1): exact
+    # splitting whatever the exponents): p is that product times a power of
+    # two wherever p is normal; where p is subnormal or zero, x * s lies
+    # below every narrower format's half smallest value, and rounds to zero.
+    mx, _ = torch.frexp(x)
+    ms, _ = torch.frexp(s)
+    e = torch.nan_to_num(_two_product_error(mx, ms.expand_as(mx)), nan=0.0, posinf=0.0,
+                         neginf=0.0)
     bits = p.view(torch.int64)
     toward_zero = torch.where((e < 0) != (p < 0), bits - 1, bits)
     inexact = (e != 0) & torch.isfinite(p)
