@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torchcast
-from torchcast.tracker.health import headroom_view
+from torchcast.tracker.health_rows import headroom_view
 from torchcast.tracker.html import OPEN_ENTRIES, render_html
 from torchcast.tracker.tensorboard import write_tensorboard
 

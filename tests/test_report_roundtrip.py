@@ -14,11 +14,11 @@ import torch
 
 import torchcast
 from torchcast.stats import STAT_FIELDS
-from torchcast.tracker.health import HealthWatch
+from torchcast.tracker.health_rows import ModuleHealth
 from torchcast.tracker.html import render_html
-from torchcast.tracker.nonfinite import NonFiniteWatch
-from torchcast.tracker.nonfinite_origin import InputInfo, NonFiniteOrigin
-from torchcast.tracker.report import Report, merge_into, write_text
+from torchcast.tracker.origin import InputInfo, NonFiniteOrigin
+from torchcast.tracker.report import Report
+from torchcast.tracker.report_dict import write_text
 from torchcast.tracker.tensorboard import write_tensorboard
 from torchcast.violations import Violations
 from scalar_writer import ScalarWriter
@@ -82,22 +82,20 @@ def nonfinite_report(value: float) -> Report:
     stats = torch.tensor([value if name in FLOAT_STATS else 0.0 if name == "overflow" else 3.0
                           for name in STAT_FIELDS], dtype=torch.float64)
     key = ("block.fc", "/x/train.py", 12, "cast", None, torch.float32, torch.float16, None)
-    merge_into(report, key, stats, measured=True, calls=2, imag=1, double_rounded=2)
+    report.casts.add(key, stats, measured=True, calls=2, imag=1, double_rounded=2)
     unmeasured = ("block", "/x/train.py", 13, "cast", None, torch.float32, torch.int8, None)
-    merge_into(report, unmeasured, None, measured=False, numel=5, graph_cuts=1)
-    watch = report.nonfinite_watch = NonFiniteWatch("record")
-    watch.propagated = 4
+    report.casts.add(unmeasured, None, measured=False, numel=5, graph_cuts=1)
     origin = NonFiniteOrigin(
         "aten::mul_", "block.fc", "forward", None, "/x/train.py", 14, None, torch.float16,
         nan=1, posinf=2, neginf=0, inputs=[InputInfo(torch.float16, (3,), value),
                                            InputInfo(torch.float32, (), 2.0)],
         note="a note", count=3)
-    watch.origins[origin.key] = origin
-    health = report.health_watch = HealthWatch()
-    health.measure(["block.fc"], "forward", torch.tensor([0.5, 3.0, 0.0]))
-    health.measure(["block"], "backward", torch.zeros(4))  # min_nonzero inf: no nonzero
-    (measured,) = health.entries[("block.fc", "forward", torch.float32)]
+    report.set_origins([origin], propagated=4)
+    measured = torchcast.tensor_health(torch.tensor([0.5, 3.0, 0.0]))
     measured.extrema.copy_(torch.tensor([value if value != math.inf else math.nan, value]))
+    report.set_health([ModuleHealth("block.fc", "forward", measured),
+                       # min_nonzero inf: no nonzero
+                       ModuleHealth("block", "backward", torchcast.tensor_health(torch.zeros(4)))])
     return report
 
 

@@ -21,7 +21,7 @@ import torch
 
 import torchcast
 from torchcast.headroom import FORMATS, headroom
-from torchcast.tracker.health import HeadroomRow, headroom_view
+from torchcast.tracker.health_rows import HeadroomRow, headroom_view
 from torchcast.tracker.html import CAST_ROWS, SITE_CHARS, render_html
 from torchcast.tracker.tensorboard import write_tensorboard
 

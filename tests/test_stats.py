@@ -11,7 +11,7 @@ import torchcast
 from torchcast import _ops
 from torchcast.stats import (COUNT_FIELDS, LOSS_COUNTS, MAX_FIELDS, STAT_FIELDS, SUM_FIELDS,
                              CastStats, PendingStats, dtype_from_name)
-from torchcast.tracker.nonfinite_origin import NonFiniteOrigin
+from torchcast.tracker.origin import NonFiniteOrigin
 from torchcast.violations import STRICT, Violations
 
 from track_ref import assert_stats_match, stats_of_cast

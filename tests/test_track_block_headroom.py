@@ -94,4 +94,4 @@ def test_block_formats_need_health_and_known_names():
         torchcast.track(health=True, block_formats=("mxfp6",))
     with torchcast.track(health=True) as report:  # none asked for: none measured
         torch.nn.Linear(4, 4)(torch.randn(2, 4))
-    assert report.health_watch.block_rows() == []
+    assert report.block_rows == [] and report.block_formats == ()

@@ -343,11 +343,13 @@ def test_safe_to_overflow_is_an_origin_and_its_stats_are_not(nonfinite_engine):
 
 
 def test_record_and_warn_take_the_cpp_check_raise_the_mode(nonfinite_engine):
-    with torchcast.track(nonfinite="record") as report:
-        served = report.nonfinite_watch in getattr(nonfinite._cpp, "watches", ())
+    tracked = torchcast.track(nonfinite="record")
+    with tracked:
+        served = tracked.nonfinite_watch in getattr(nonfinite._cpp, "watches", ())
     assert served == (nonfinite_engine == "cpp")
-    with torchcast.track(nonfinite="raise_at_op") as report:
-        assert report.nonfinite_watch not in getattr(nonfinite._cpp, "watches", ())
+    tracked = torchcast.track(nonfinite="raise_at_op")
+    with tracked:
+        assert tracked.nonfinite_watch not in getattr(nonfinite._cpp, "watches", ())
 
 
 def _finite_reference(t):

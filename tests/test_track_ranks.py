@@ -82,7 +82,9 @@ def worker(kind, action, rank, port, out_dir):
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
     model = make_model()
     literal = kind == "ddp_literal"
-    if kind in ("ddp", "ddp_literal"):
+    if kind == "full":
+        every_feature(model, rank, out_dir)
+    elif kind in ("ddp", "ddp_literal"):
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         from torch.distributed.fsdp import fully_shard
@@ -90,9 +92,47 @@ def worker(kind, action, rank, port, out_dir):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-    with torchcast.track(nonfinite=action, health=True) as report:
-        train(model, rank, literal=literal)
+    if kind != "full":
+        with torchcast.track(nonfinite=action, health=True) as report:
+            train(model, rank, literal=literal)
+        report_ranks(report, rank, out_dir)
+    del model
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def every_feature(model, rank, out_dir):
+    """A DDP step with every feature of a track on: casts (all_casts and a
+    safe_to), an origin and an entry on rank 1 (and what arrives on rank
+    0), health with block headroom, torchcast AdamW's update accounting,
+    a compiled region."""
+    import torchcast
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torchcast.optim.AdamW(model.parameters(), lr=1e-3, track_updates=True)
+    compiled = torch.compile(lambda t: t * 2, backend="aot_eager")
+    with torchcast.track(all_casts=True, nonfinite="record", health=True,
+                         block_formats=("mxfp8_e4m3",)) as report:
+        for step in (1, 2):
+            x = compiled(torch.randn(4, 8)).half().float()
+            torchcast.safe_to(x, torch.bfloat16, policy="record")
+            if rank == BAD_RANK and step == BAD_STEP:
+                x = x * torch.tensor(float("inf"))  # an entry
+                torch.log(torch.tensor([-1.0]))  # an origin
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report_ranks(report, rank, out_dir, all_reduce=True)
+
+
+def report_ranks(report, rank, out_dir, all_reduce=False):
+    """Merges the ranks' reports on rank 0, which writes it and its own
+    (with ``all_reduce``, also what Report.all_reduce makes of its own)."""
     alone = report.to_dict()
+    if all_reduce:
+        reduced = type(report).from_dict(alone).all_reduce()
+        if rank == 0:
+            with open(os.path.join(out_dir, "all_reduce0.json"), "w") as f:
+                f.write(reduced.to_json())
     merged = report.merge_ranks(dst=0)
     if rank == 0:
         with open(os.path.join(out_dir, "merged.json"), "w") as f:
@@ -102,9 +142,6 @@ def worker(kind, action, rank, port, out_dir):
         print(merged.table(), file=sys.stderr)
     else:
         assert merged is None
-    del model
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # --- the tests ------------------------------------------------------------------------------
@@ -156,6 +193,37 @@ def test_a_literal_inf_on_one_rank_is_named_as_entering_there(tmp_path):
         'x = x * torch.tensor(float("inf"))  # the literal inf'
     arrived = [o for o in origins if o.rank == 0]
     assert [(o.arrived_through, o.from_ranks) for o in arrived] == [("all_reduce", [BAD_RANK])]
+
+
+def test_every_section_of_two_ranks_survives_the_merge_with_its_rank(tmp_path):
+    results = run_ranks("full", "record", tmp_path)
+    assert [code for code, _ in results] == [0, 0], results
+    from torchcast.tracker.report import Report
+    data = json.loads((tmp_path / "merged.json").read_text())
+    alone = json.loads((tmp_path / "alone0.json").read_text())
+    merged = Report.from_dict(data)
+    assert merged.to_dict() == data  # from_dict(to_dict(r)) == r, every section
+    assert data["ranks"] == [0, 1]
+    # casts: both ranks' casts, merged by site (each rank cast twice per site)
+    assert alone["records"] and all(r["calls"] == 2 * a["calls"] for r, a in zip(
+        sorted(data["records"], key=lambda r: (r["line"], r["origin"], r["dtype"])),
+        sorted(alone["records"], key=lambda r: (r["line"], r["origin"], r["dtype"]))))
+    # origins and entries with their ranks, and what arrived on rank 0
+    kinds = {(o["rank"], o["op"], o["entered"] is not None, o["arrived_through"])
+             for o in data["nonfinite"]}
+    assert {(1, "aten::mul", True, None), (1, "aten::log", False, None)} <= kinds
+    assert any(rank == 0 and through == "all_reduce" for rank, _, _, through in kinds)
+    # rows of each section, labelled with their rank
+    for section in ("health", "block_headroom"):
+        ranks = {row["module"].split("]")[0] + "]" for row in data[section]}
+        assert ranks == {"[rank 0]", "[rank 1]"}, (section, ranks)
+        assert len(data[section]) == 2 * len(alone[section]), section
+    assert {r["name"].split("]")[0] + "]" for r in data["updates"]} == {"[rank 0]", "[rank 1]"}
+    assert len(data["updates"]) == 2 * len(alone["updates"]) > 0
+    assert len(data["compiled_regions"]) == 2 * len(alone["compiled_regions"]) > 0
+    assert merged.headroom("mxfp8_e4m3").rows  # the block rows read as a table
+    # all_reduce is the same merge, made on every rank
+    assert json.loads((tmp_path / "all_reduce0.json").read_text()) == data
 
 
 def test_fsdp2_merged_report_names_rank_step_and_op(tmp_path):

@@ -99,7 +99,7 @@ def plot_headroom(report, path, entries=12):
     except ImportError:
         print(f"matplotlib is not installed: {path} not drawn")
         return
-    from torchcast.tracker.health import headroom_view
+    from torchcast.tracker.health_rows import headroom_view
     view = [v for v in headroom_view(report.to_dict()["headroom"])
             if v["phase"] == "forward" and v["plain"] is not None]
     modules = []

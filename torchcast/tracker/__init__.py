@@ -1,5 +1,6 @@
 """track(): the casts of a block, measured with the fused op, attributed to the
-module and source line that did them, and merged by site.
+module and source line that did them, and merged by site; and, as asked, the
+ops that make NaN/inf, module health, optimizer updates.
 
 ``with track() as report`` collects every safe_to (policies record/warn/raise).
 ``track(all_casts=True)`` also intercepts, at the dispatcher, every cast that
@@ -7,131 +8,34 @@ PyTorch itself performs while the block runs: in its thread (mode.py), in
 the program's other threads and in processes forked from it (threads.py);
 the program's behaviour does not change under track.
 
-The package, by concern: sites.py (which file:line a cast comes from),
-modules.py (which module is running, autocast's state), origins.py (the
-program's cast, autocast's or an op's own), measure.py (the stats of one
-cast as PyTorch performs it), mode.py (the dispatch mode and the global
-state it installs), compiled.py (the casts inside Inductor-compiled
-graphs), threads.py (other threads, worker processes),
-report.py (Record and Report: merging, reading; their dict form and JSON
-in report_dict.py, their text table in report_table.py). This module holds
-track() itself.
+A track is a list of features (features.py: each starts, subscribes to the
+events it needs and writes its records into the report, then stops), which
+track() composes from its arguments; the report is data (report.py, its
+dict form report_dict.py, its writers report_table.py, html.py,
+tensorboard.py). docs/architecture.md maps the rest of the package.
 
 The stats stay tensors on the cast's device (merged per site by
 ``merge_stats_tensors``) until the report is read, unless the policy is "warn"
 or "raise", which must read each cast's stats: one synchronization per cast.
 """
-import sys
-import warnings
 from typing import Any, Optional, Sequence
 
-from ..cast import (
-    PrecisionLossError, PrecisionWarning, add_other_thread_recorder, add_recorder, check_policy,
-    check_tolerance, get_policy, graph_cut_message, is_violation, remove_other_thread_recorder,
-    remove_recorder, set_all_casts_track, violation_message,
-)
-from ..stats import PendingStats
+from ..cast import check_policy, check_tolerance
 from ..violations import Violations, ViolationsSpec
-from .measure import MeasuredCast
 from . import compiled
-from .mode import install, pop_mode, push_mode, take_pending, uninstall
-from .modules import current_module
-from .health import HealthWatch
-from . import nonfinite, ranks
-from .nonfinite import NonFiniteWatch, check_action
-from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, NonFiniteWarning
 from .block_headroom import check_block_formats
+from .casts import CastRecording
+from .features import NonFiniteFeature, start_all, stop_all
+from .health import HealthWatch
+from .nonfinite import check_action
+from .nonfinite_origin import NonFiniteError, NonFiniteWarning
+from .origin import NonFiniteOrigin
+from .records import Record
 from .regions import RegionWatch
+from .report import Report
+from .sites import library_dirs, set_library_dirs
 from .updates import UpdateWatch
-from .workers import follow_workers, unfollow_workers
-from .report import Record, Report, SiteKey, merge_into
-from .sites import library_dirs, set_library_dirs, short_path, user_site
-from .threads import (close_spool, open_spool, unwatch_other_threads, warn_if_threads_unseen,
-                      watch_other_threads)
-
-
-class _Recording:
-    """One entry of a track(): where its casts go, and the policy applied
-    to them."""
-
-    def __init__(self, report, policy, rtol, atol):
-        self.report = report
-        self.policy, self.rtol, self.atol = policy, rtol, atol
-        self.kinds = report.kinds
-        self.warned = set()
-        self.spool = None  # where a forked worker leaves its records (threads.py)
-        self.watch = None  # the non-finite watch of track(nonfinite=...)
-        self.watch_in_cpp = False  # served by the C++ watch (nonfinite.checked_in_cpp)
-        self.health = None  # the module health of track(health=True)
-        self.regions = None  # the compiled regions that run in the block (regions.py)
-        self.ranks = None  # the collectives the non-finite watch follows (ranks.py)
-        self.updates = UpdateWatch()  # the optimizers that count their updates (updates.py)
-
-    def _in_worker(self):
-        spool = self.spool
-        if spool is not None and spool.in_worker and spool.worker is None:
-            spool.note_worker()
-
-    # -- safe_to's recorder (cast.add_recorder) ------------------------------------
-    def record_safe_to(self, pending: PendingStats, name: Optional[str]) -> None:
-        """Records a safe_to at the user's line that called it."""
-        self._in_worker()
-        site = user_site(sys._getframe(1), skip_own=True)
-        key = (current_module(), site.file, site.line, "safe_to", name, pending.src_dtype,
-               pending.dtype, site.via)
-        merge_into(self.report, key, pending.tensor, measured=True)
-
-    # -- the dispatch mode's recorder (mode.CastRecorder) --------------------------
-    def add_cast(self, key: SiteKey, cast: MeasuredCast) -> None:
-        """Records a cast PyTorch performed, at site ``key``."""
-        self._in_worker()
-        merge_into(self.report, key, cast.stats, measured=cast.measured,
-                   numel=0 if cast.stats is not None else cast.numel,
-                   graph_cuts=int(cast.graph_cut), imag=cast.imag,
-                   double_rounded=cast.double_rounded)
-
-    def apply_policy(self, key: SiteKey, cast: MeasuredCast,
-                     pending: Optional[PendingStats]) -> None:
-        """Warns (once per site) or raises if the cast is a violation and
-        the policy says so."""
-        pol = self.policy or get_policy()
-        if pol not in ("warn", "raise"):
-            return
-        graph_cut = cast.graph_cut and "graph_cut" in self.kinds
-        imag_dropped = "imag_dropped" in self.kinds and cast.imag is not None and int(cast.imag)
-        s = None
-        if not (graph_cut or imag_dropped) and pending is not None and (
-                pending.has_loss() or self.rtol is not None or self.atol is not None):
-            s = pending.value
-            if not is_violation(s, self.rtol, self.atol, self.kinds):
-                s = None
-        if not (graph_cut or imag_dropped or s is not None):
-            return  # the common case: no message to write
-        if pol == "warn" and key in self.warned:
-            return  # said once per site
-        module, file, line, origin = key[:4]
-        via = key[7]
-        where = f"{module} {short_path(file)}:{line}" if module else f"{short_path(file)}:{line}"
-        if via:
-            where += f" (via {via})"
-        head = f"torchcast.track: {origin} at {where}"
-        if graph_cut:
-            message = graph_cut_message(head, cast.src_dtype, cast.dtype)
-        elif imag_dropped:
-            message = (f"{head}: casting {cast.src_dtype} to {cast.dtype} dropped "
-                       f"{int(cast.imag)} nonzero imaginary parts. Take .real or .abs() "
-                       "explicitly, or keep a complex dtype.")
-        else:
-            message = violation_message(
-                cast.x, cast.y, s, self.rtol, self.atol, None, head=head,
-                advice=(f"Keep {s.src_dtype} here, rescale the data, or use "
-                        "torchcast.safe_to with an explicit policy at this line."))
-        if pol == "raise":
-            error = PrecisionLossError(message, pending.value if pending else None)
-            error.site = where
-            raise error
-        self.warned.add(key)
-        warnings.warn_explicit(message, PrecisionWarning, file, line or 1)
+from .workers import WorkersFeature
 
 
 class track:
@@ -241,89 +145,51 @@ class track:
         self.all_casts = all_casts
         self.policy, self.rtol, self.atol = policy, rtol, atol
         self.violations = Violations(violations)
-        self._recording = None
-        self._spool = None
+        self._features = None  # the features of the entry now active
+        self._report = None
+        self.nonfinite_watch = None  # the NonFiniteWatch of the entry now active
 
     def __enter__(self) -> Report:
-        if self._recording is not None:
+        if self._features is not None:
             raise RuntimeError("torchcast.track: this track() is already active; nest a new "
                                "one instead: create a new torchcast.track()")
-        recording = _Recording(Report(self.rtol, self.atol, self.violations), self.policy,
-                               self.rtol, self.atol)
-        if self.all_casts:  # warnings first: one raised as an error leaves nothing installed
-            compiled.warn_uninstrumented()
-            warn_if_threads_unseen()
-        install(self.all_casts)
-        add_recorder(recording.record_safe_to)
-        if self.all_casts:
-            compiled.install()
-            push_mode(recording)
-            watch_other_threads(recording)
-            add_other_thread_recorder(recording.record_safe_to)
-            set_all_casts_track(True)
-        if self.nonfinite_action is not None:
-            watch = NonFiniteWatch(self.nonfinite_action)
-            recording.watch = recording.report.nonfinite_watch = watch
-            if nonfinite.checked_in_cpp(self.nonfinite_action):
-                recording.watch_in_cpp = True
-                nonfinite.start_cpp(recording.watch)
-            else:
-                push_mode(watch=recording.watch)
-            watch.start()
-            recording.ranks = ranks.start(watch)
+        report = Report(self.rtol, self.atol, self.violations)
+        features = self._compose()
+        start_all(features, report)
+        self._features, self._report = features, report
+        return report
+
+    def _compose(self) -> list:
+        """This entry's features, in the order they start (they stop in the
+        reverse order: the workers' records are merged last)."""
+        nonfinite = NonFiniteFeature(self.nonfinite_action) \
+            if self.nonfinite_action is not None else None
+        self.nonfinite_watch = nonfinite.watch if nonfinite is not None else None
+        workers = None
+        if self.all_casts or nonfinite is not None:
+            # Where worker processes leave their casts and origins.
+            workers = WorkersFeature({"all_casts": self.all_casts,
+                                      "nonfinite": self.nonfinite_action}, track,
+                                     self.nonfinite_watch)
+        features = [workers] if workers is not None else []
+        features.append(CastRecording(self.all_casts, self.policy, self.rtol, self.atol,
+                                      workers))
+        if nonfinite is not None:
+            features.append(nonfinite)
         if self.health:
-            recording.health = recording.report.health_watch = HealthWatch(self.block_formats)
-            recording.health.start()
-        recording.updates.start()
-        recording.regions = RegionWatch(self.all_casts, self.nonfinite_action is not None,
-                                        self.health, compiled.instrumenting())
-        if self.all_casts or self.nonfinite_action is not None:
-            # Where processes forked in the block (DataLoader workers) leave
-            # their casts and non-finite origins for this one.
-            self._spool = recording.spool = open_spool(recording.report)
-            follow_workers(self._spool, {"all_casts": self.all_casts,
-                                         "nonfinite": self.nonfinite_action}, track)
-        self._recording = recording
-        return recording.report
+            features.append(HealthWatch(self.block_formats))
+        features.append(UpdateWatch())
+        features.append(RegionWatch(self.all_casts, nonfinite is not None, self.health,
+                                    compiled.instrumenting))
+        return features
 
     def __exit__(self, *exc: Any) -> bool:
-        recording, self._recording = self._recording, None
-        reached = None  # nonfinite "raise": an origin found to reach at the exit
-        deferred = None  # policy "raise" of a cast under torch.inference_mode
-        recording.report.ended_by = _ended_early(exc[1])
-        failed = recording.report.ended_by is not None
-        try:
-            recording.report.compiled_regions = recording.regions.stop()
-            recording.report.updates = recording.updates.stop()
-            if recording.health is not None:
-                recording.health.stop()
-            if recording.watch is not None:
-                if recording.watch_in_cpp:
-                    nonfinite.stop_cpp(recording.watch)
-                else:
-                    pop_mode(watch=recording.watch)
-                arrived = ranks.finish(recording.ranks, recording.report, failed=failed)
-                reached = recording.watch.finish(failed=failed) or arrived
-            if self.all_casts:
-                remove_other_thread_recorder(recording.record_safe_to)
-                set_all_casts_track(False)
-                unwatch_other_threads(recording)
-                try:
-                    pop_mode(recording)
-                    deferred = take_pending(exc[1])
-                finally:
-                    compiled.uninstall()
-        finally:
-            remove_recorder(recording.record_safe_to)
-            uninstall(self.all_casts)
-            spool, self._spool = self._spool, None
-            if spool is not None:
-                unfollow_workers(spool)
-                close_spool(spool)  # in a forked child: leaves its records for the parent
-        if reached is not None:
-            raise reached
-        if deferred is not None:
-            raise deferred
+        features, self._features = self._features, None
+        report, self._report = self._report, None
+        report.ended_by = _ended_early(exc[1])
+        error = stop_all(features, exc[1] if report.ended_by is not None else None)
+        if error is not None:
+            raise error
         return False
 
 

@@ -1,6 +1,7 @@
 """track(health=True): per module, the numeric health of its forward outputs
-and of the gradients flowing into it in backward, merged over calls, and
-what a narrower format would make of them (headroom).
+and of the gradients flowing into it in backward, merged over calls, written
+into the report's health section as rows (health_rows.py: what they say of
+headroom).
 
 Forward: a listener on the tracker's module hooks (modules.py) measures each
 floating output with ``torchcast.tensor_health``; backward: a hook on each
@@ -15,55 +16,25 @@ two threads' models, never share a row. Names are given when rows are
 read, from the path each module had at its first call (see ``_names``).
 """
 import collections
-import dataclasses
-import math
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
-from ..headroom import FORMATS, Headroom, headroom
 from ..health import TensorHealth, tensor_health
-from ..stats import CastStats, short_dtype_name
+from ..stats import CastStats
 from .block_headroom import BlockEntries, BlockHeadroomRow, block_stats, element_dtype
+from .health_rows import ModuleHealth, severity
 from .modules import ModuleCall, add_output_listener, remove_output_listener
 from .own import unwatched
-from .text_table import RowTable, format_table, percent
 
 PHASES = ("forward", "backward")
 # The histograms an entry keeps unmerged at most (float32's is 28 KiB).
 _PENDING_BYTES = 256 << 10
-
-
-@dataclasses.dataclass
-class ModuleHealth:
-    """The merged health of a module's outputs (phase "forward") or of the
-    gradients flowing into it (phase "backward"), for one dtype."""
-
-    module: Optional[str]
-    phase: str
-    health: TensorHealth
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.health.dtype
-
-    def headroom(self, dtype: torch.dtype, scale: Union[None, float, str] = None) -> Headroom:
-        """``torchcast.headroom.headroom`` of this entry."""
-        return headroom(self.health, dtype, scale)
-
-    def binades_to_overflow(self) -> float:
-        """log2(largest finite value of its dtype / amax): how many doublings
-        the largest element can take (inf when all are zero)."""
-        return _binades_to_overflow(self.dtype, self.health.amax)
-
-    def to_dict(self) -> Dict[str, Any]:
-        h = self.health
-        return {"module": self.module, "phase": self.phase, **h.to_dict()}
 
 
 class HealthWatch:
@@ -93,16 +64,32 @@ class HealthWatch:
         self._places: Dict[Tuple[Any, str], List[_Module]] = {}
         self._made = 0  # keys made: their order, which numbers roots sharing a class
         # The block formats each measured tensor is also cast to (block_headroom.py).
+        self.block_formats = block_formats
         self.blocks = BlockEntries(block_formats) if block_formats else None
-        self._block_rows: List[BlockHeadroomRow] = []  # of a watch read back
+        self.report = None
 
-    def start(self) -> None:
+    # -- a track's feature -------------------------------------------------------
+    def start(self, report: Any) -> None:
+        """Measures the module calls of this thread into ``report``'s health
+        section until ``stop``."""
+        self.report = report
+        report.set_health([])
+        report.add_block_rows(self.block_formats, [])
+        report.attach(self.refresh)
         self.active = True
         add_output_listener(self.on_output)
 
-    def stop(self) -> None:
+    def refresh(self) -> None:
+        """Writes the rows measured so far into the report."""
+        self.report.set_health(self.rows())
+        self.report.block_rows = self.block_rows()
+
+    def stop(self, failed: bool = False) -> None:
+        """Stops measuring; the report keeps the rows."""
         self.active = False
         remove_output_listener(self.on_output)
+        self.report.detach(self.refresh)
+        self.refresh()
 
     def _add(self, module, phase, dtype, measured):
         """Appends ``measured`` to the entry (module, phase, dtype)."""
@@ -210,31 +197,11 @@ class HealthWatch:
                 t.register_hook(hook)
             self._last = (weakref.ref(t), t._version, measured, blocks, hook)
 
-    @classmethod
-    def from_dicts(cls, rows: List[Dict[str, Any]],
-                   block_rows: Sequence[Dict[str, Any]] = ()) -> "HealthWatch":
-        """A stopped watch holding ``ModuleHealth.to_dict()`` rows and
-        ``BlockHeadroomRow.to_dict()`` rows (a report read back from JSON)."""
-        watch = cls()
-        watch._block_rows = [BlockHeadroomRow.from_dict(d) for d in block_rows]
-        for d in rows:
-            h = TensorHealth.from_dict(d)
-            key = (d["module"], d["phase"], h.dtype)
-            watch.entries[key] = [h]
-            watch._merged.add(key)
-        return watch
-
-    def block_formats(self) -> Tuple[str, ...]:
-        """The block formats this watch cast to (or, read back, holds rows of)."""
-        if self.blocks is not None:
-            return self.blocks.formats
-        return tuple(dict.fromkeys(r.format for r in self._block_rows))
-
     def block_rows(self) -> List[BlockHeadroomRow]:
         """Every (module, phase, dtype, block format) entry, its stats read
         (one synchronization per device)."""
         if self.blocks is None:
-            return list(self._block_rows)
+            return []
         with self.lock:
             merged = self.blocks.merged()
             names = _names(m for m, _, _ in self.entries)
@@ -264,7 +231,7 @@ class HealthWatch:
             names = _names(m for m, _, _ in self.entries)
             rows = [ModuleHealth(names[m], phase, h)
                     for (m, phase, _), (h,) in self.entries.items()]
-        return sorted(rows, key=_severity)
+        return sorted(rows, key=severity)
 
 
 class _Module:
@@ -361,192 +328,4 @@ def _warn_not_measured(module: Any, t: torch.Tensor) -> None:
                       "of the health rows (said once)", RuntimeWarning, stacklevel=2)
 
 
-def _binades_to_overflow(dtype: torch.dtype, amax: float) -> float:
-    return math.log2(torch.finfo(dtype).max / amax) if amax > 0 else math.inf
-
-
-def _severity(row: ModuleHealth):
-    h = row.health.read()
-    lost = (h.zero + h.subnormal) / max(h.numel, 1)
-    return (-(h.nan + h.posinf + h.neginf), _binades_to_overflow(row.dtype, h.amax), -lost)
-
-
-@dataclasses.dataclass
-class HeadroomRow:
-    module: Optional[str]
-    phase: str
-    src_dtype: torch.dtype
-    result: Headroom
-
-    @property
-    def identity(self) -> bool:
-        """Whether the entry is in the format already: a "cast" to it changes
-        nothing at scale 1, and a scale within one format is no cast at all."""
-        return self.result.dtype == self.src_dtype
-
-    def to_dict(self) -> Dict[str, Any]:
-        r = self.result
-        return {"module": self.module, "phase": self.phase, "src_dtype": str(self.src_dtype),
-                "format": str(r.dtype), "scale": r.scale, "numel": r.numel,
-                "overflow": r.overflow_fraction, "underflow": r.underflow_fraction,
-                "subnormal": r.subnormal_fraction}
-
-
-class HeadroomTable(RowTable):
-    """``Report.headroom``'s answer: per module and phase, what a cast to a
-    format would do; ``str()`` prints it worst first (overflow, then
-    underflow, then subnormal results). ``omitted`` counts the entries left
-    out for being in ``dtype`` already (``HeadroomRow.identity``)."""
-
-    def __init__(self, dtype: torch.dtype, scale: Union[None, float, str],
-                 rows: List[HeadroomRow], omitted: int = 0):
-        self.dtype, self.scale, self.omitted = dtype, scale, omitted
-        self.rows = sorted(rows, key=lambda r: (-r.result.overflow_fraction,
-                                                -r.result.underflow_fraction,
-                                                -r.result.subnormal_fraction))
-
-    def __str__(self) -> str:
-        scale = "per-entry power-of-two amax scale" if self.scale == "amax" else \
-            f"scale {1.0 if self.scale is None else self.scale:g}"
-        head = f"torchcast headroom in {short_dtype_name(self.dtype)} ({scale}), worst first"
-        table = [("module", "phase", "dtype", "elements", "scale", "overflow", "underflow",
-                  "subnormal")]
-        for r in self.rows:
-            h = r.result
-            table.append((r.module or "-", r.phase, short_dtype_name(r.src_dtype), str(h.numel),
-                          f"2^{int(math.log2(h.scale))}", percent(h.overflow_fraction),
-                          percent(h.underflow_fraction), percent(h.subnormal_fraction)))
-        text = format_table(head, table, left=3)
-        if self.omitted:
-            text += (f"\n... {self.omitted} more already in {short_dtype_name(self.dtype)} "
-                     "(no cast)")
-        return text
-
-
-
-
-def headroom_table(watch: HealthWatch, dtype: torch.dtype,
-                   scale: Union[None, float, str] = None) -> HeadroomTable:
-    """``Report.headroom``: every entry of ``watch`` cast to ``dtype``, but
-    those in ``dtype`` already (counted as ``omitted``): of a model run in
-    float16, the float16 table would otherwise be half "0" rows of no cast."""
-    entries = watch.rows()
-    rows = [HeadroomRow(r.module, r.phase, r.dtype, r.headroom(dtype, scale))
-            for r in entries if r.dtype != dtype]
-    return HeadroomTable(dtype, scale, rows, omitted=len(entries) - len(rows))
-
-
-def _lost(h: Headroom) -> str:
-    return f"{percent(h.overflow_fraction)}/{percent(h.underflow_fraction)}"
-
-
-def headroom_lines(watch: HealthWatch) -> List[str]:
-    """``Report.headroom_summary``: one row per entry of ``watch``, one
-    column per format of FORMATS (``headroom_table`` gives one format's
-    full table, subnormals included)."""
-    rows = watch.rows()
-    head = (f"torchcast headroom of {len(rows)} module outputs and gradients (worst first): the "
-            "% of elements a cast to each format loses\nto overflow/underflow at scale 1, and "
-            "where it loses any, at the entry's power-of-two amax scale (2^k: overflow/underflow;"
-            "\n-: the entry is in that format already)")
-    table = [("module", "phase", "dtype", "elements", *(short_dtype_name(f) for f in FORMATS))]
-    lossless = 0
-    for r in rows:
-        health = r.health.cpu()  # one transfer for the 8 predictions
-        cells = []
-        for fmt in FORMATS:
-            if fmt == r.dtype:
-                cells.append("-")  # no cast: "0/0" would read as a cast that loses nothing
-                continue
-            plain = headroom(health, fmt)
-            cell = _lost(plain)
-            if plain.overflow or plain.underflow:
-                scaled = headroom(health, fmt, "amax")
-                if scaled.scale != 1:  # else the same figures again
-                    cell += f", 2^{int(math.log2(scaled.scale))}: {_lost(scaled)}"
-            cells.append(cell)
-        if all(c in ("0/0", "-") for c in cells):
-            lossless += 1  # a table of only "0/0" rows says less than their count
-            continue
-        table.append((r.module or "-", r.phase, short_dtype_name(r.dtype),
-                      str(health.numel), *cells))
-    lines = format_table(head, table, left=3).split("\n") if len(table) > 1 else [head]
-    if lossless:
-        lines.append(f"... {lossless} more lose nothing in any format at scale 1")
-    return lines
-
-
-def _lossy(row: Dict[str, Any]) -> bool:
-    return any(float(row[k]) for k in ("overflow", "underflow", "subnormal"))
-
-
-def headroom_view(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The rows of ``Report.to_dict()["headroom"]`` worth reading (the HTML
-    page's headroom table and TensorBoard's headroom scalars), worst first.
-
-    ``to_dict`` keeps every (entry, format, scale) as data; read as a table, most of
-    them answer nothing. So, per entry (module, phase, source dtype) and format:
-
-    - none where the format is the entry's dtype: no cast happens (a model run
-      in float16 made a quarter of a GPT-2's rows float16 -> float16 at 2^0);
-    - one row, holding the scale-1 figures and, beside them, the amax
-      scale's: an amax scale of 1 repeats the scale-1 row (the duplicates);
-    - the amax scale's figures only where scale 1 loses something: a scale
-      is the remedy for a loss, and without one "bfloat16 at 2^120" only
-      says that bfloat16 has float32's range.
-
-    Args:
-        rows: ``HeadroomRow.to_dict()`` rows (floats possibly "inf"/"nan").
-
-    Returns:
-        Dicts of "module", "phase", "src_dtype", "format", "numel", "plain"
-        (the scale-1 row, None if the rows had none) and "scaled" (the amax
-        row, or None), and "lossy" (whether scale 1 loses anything), the
-        lossy first, by overflow, then underflow, then subnormal at scale 1.
-        An entry whose rows repeat (the same module twice in ``rows``) is one.
-    """
-    view: Dict[tuple, Dict[str, Any]] = {}
-    for r in rows:
-        if r["format"] == r["src_dtype"]:
-            continue
-        key = (r["module"], r["phase"], r["src_dtype"], r["format"])
-        entry = view.setdefault(key, {"module": r["module"], "phase": r["phase"],
-                                      "src_dtype": r["src_dtype"], "format": r["format"],
-                                      "numel": r["numel"], "plain": None, "scaled": None})
-        slot = "plain" if float(r["scale"]) == 1 else "scaled"
-        if entry[slot] is None:
-            entry[slot] = r
-    out = []
-    for entry in view.values():
-        if entry["plain"] is None:  # rows of other scales only: shown as they are
-            entry["plain"], entry["scaled"] = entry["scaled"], None
-        entry["lossy"] = _lossy(entry["plain"])
-        if not entry["lossy"]:
-            entry["scaled"] = None
-        out.append(entry)
-    return sorted(out, key=lambda e: (not e["lossy"], -float(e["plain"]["overflow"]),
-                                      -float(e["plain"]["underflow"]),
-                                      -float(e["plain"]["subnormal"])))
-
-
-def health_lines(watch: HealthWatch) -> List[str]:
-    """The report table's section on module health, worst first."""
-    rows = watch.rows()
-    head = (f"torchcast.track: numeric health of {len(rows)} module outputs and gradients "
-            "(worst first)")
-    table = [("module", "phase", "dtype", "elements", "amax", "binades to max", "min nonzero",
-              "nan/inf", "zero", "subnormal")]
-    for r in rows:
-        h = r.health.read()
-        n = max(h.numel, 1)
-        room = _binades_to_overflow(r.dtype, h.amax)
-        table.append((r.module or "-", r.phase, short_dtype_name(r.dtype), str(h.numel),
-                      f"{h.amax:.3g}", f"{room:.1f}" if math.isfinite(room) else "-",
-                      f"{h.min_nonzero:.3g}" if math.isfinite(h.min_nonzero) else "-",
-                      str(h.nan + h.posinf + h.neginf), percent(h.zero / n),
-                      percent(h.subnormal / n)))
-    return format_table(head, table, left=3).split("\n")
-
-
-__all__ = ["FORMATS", "HealthWatch", "HeadroomRow", "HeadroomTable", "ModuleHealth",
-           "headroom_lines", "headroom_table", "headroom_view", "health_lines"]
+__all__ = ["HealthWatch"]

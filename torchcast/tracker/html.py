@@ -25,7 +25,7 @@ from .html_health import (binades_to_max, block_headroom_section, headroom_secti
 from .html_parts import (counted, ellipsize, esc, html_table, module_tail, number, short_dtype,
                          titled)
 from .html_plan import plan_section
-from .nonfinite_origin import reach_rank, step_phrase
+from .origin import reach_rank, step_phrase
 from .report_dict import ended_early
 from .sites import short_path
 from .updates import ADVICE, LOST_NOTABLE, notable, row_label

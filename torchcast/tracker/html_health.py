@@ -22,7 +22,7 @@ import torch
 
 from .._reference.health import format_exponents
 from ..stats import dtype_from_name
-from .health import headroom_view
+from .health_rows import headroom_view
 from .html_parts import as_float, counted, esc, html_table, module_label, number, short_dtype
 
 WINDOW_FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)

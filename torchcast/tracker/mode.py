@@ -41,7 +41,7 @@ from .own import unwatched
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
 from .origins import made_by_autocast, origin_of
-from .report import SiteKey
+from .records import SiteKey
 from .sites import Site, outside_torchcast, user_site
 
 aten = torch.ops.aten

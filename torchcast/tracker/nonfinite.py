@@ -53,8 +53,9 @@ from .entries import (KnownNonfinite, describe_entry, nonfinite_number,
                       nonfinite_scalar_tensor)
 from .modules import current_module, module_of_node
 from .own import unwatched
-from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
-                               amax_of, floating_data, wider_note)
+from .nonfinite_origin import (NonFiniteError, NonFiniteWarning, amax_of, floating_data,
+                               wider_note)
+from .origin import InputInfo, NonFiniteOrigin
 from .reach import StepTracker
 from .sites import user_site
 
@@ -182,6 +183,7 @@ class NonFiniteWatch:
         # Set in a process forked inside the track (forked()).
         self.worker_id: Optional[Callable[[], int]] = None
         self.on_origin: Optional[Callable[[], None]] = None
+        self.report = None  # the report its origins are written into (start())
         # Steps and reach, from start() to finish() in the thread that
         # entered the track (reach.py).
         self.steps = StepTracker(self, unwatched)
@@ -398,10 +400,22 @@ class NonFiniteWatch:
             warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
 
     # -- the track's entry and exit -----------------------------------------------------
-    def start(self) -> None:
+    def start(self, report: Any) -> None:
         """Starts counting steps and deciding reach, in the calling thread
-        (the track's entry); ``finish`` ends it."""
+        (the track's entry), and writing the origins into ``report``'s
+        non-finite section; ``finish`` ends it."""
+        self.report = report
+        report.set_origins([], 0)
+        report.attach(self.refresh)
         self.steps.start()
+
+    def refresh(self) -> None:
+        """Writes the origins found so far (and the count of propagations)
+        into the report, once the flags still pending are read."""
+        self.flush()
+        with self.lock:
+            origins, propagated = list(self.origins.values()), self.propagated
+        self.report.set_origins(origins, propagated)
 
     def finish(self, failed: bool = False) -> Optional[NonFiniteError]:
         """At the track's exit: reads the flags still pending, ends the last
@@ -421,6 +435,8 @@ class NonFiniteWatch:
             return self.steps.end_block(failed)
         finally:
             self.steps.stop()
+            self.report.detach(self.refresh)
+            self.refresh()
 
 
 def _inputs(func, args: tuple, kwargs: dict, before: Dict[str, Any]) -> List[InputInfo]:

@@ -3,7 +3,7 @@
 Three parts, all on torch.distributed itself (no transport of our own):
 
 1. **The rank.** Every NonFiniteOrigin records ``rank`` (the process's rank
-   in the default group, None outside one): ``current_rank``.
+   in the default group, None outside one): origin.py's ``current_rank``.
 
 2. **Arrived through a collective.** A NaN/inf made on one rank reaches the
    others through the collectives (DDP's gradient all-reduce, FSDP2's
@@ -47,18 +47,18 @@ Three parts, all on torch.distributed itself (no transport of our own):
    reached). An all-gather output freed before the check (FSDP2 reshards
    after forward) is not read.
 
-3. **One report.** ``merge_ranks(report, dst)`` (``Report.merge_ranks``)
-   gathers every rank's report with one ``gather_object`` (or
-   ``all_gather_object``) and returns one Report with every rank's casts
-   (merged by site, as ``all_reduce``), origins (with their rank; ordered by
-   step, then made on a rank before arrived through a collective, then by
-   rank and time) and health rows (the module labelled "[rank N] path").
+3. **One report.** ``Report.merge_ranks`` gathers every rank's report's
+   dict form with one ``gather_object`` (or ``all_gather_object``), with
+   the ids of the collectives it sent NaN/inf into (``finish`` leaves them
+   on the report), and merges the dicts section by section
+   (report_dict.merge_ranks_dicts): every rank's casts (merged by site),
+   origins (with their rank; ordered by step, then made on a rank before
+   arrived through a collective, then by rank and time) and rows (the
+   module labelled "[rank N] path").
 
 Overhead: nothing per op; per collective, a Python call and a read of its
 input and, once, of its output; one gather at the end.
 """
-import dataclasses
-import math
 import os
 import sys
 import threading
@@ -69,8 +69,8 @@ import torch
 
 from .. import _ops
 from .modules import current_module, module_of_node
-from .nonfinite_origin import (InputInfo, NonFiniteError, NonFiniteOrigin, NonFiniteWarning,
-                               amax_of, floating_data)
+from .nonfinite_origin import NonFiniteError, NonFiniteWarning, floating_data
+from .origin import InputInfo, NonFiniteOrigin, current_rank
 from .own import unwatched
 from .sites import user_site
 
@@ -95,17 +95,6 @@ _lock = threading.Lock()
 _active: List["RankWatch"] = []
 _library = None
 _counters: Dict[str, int] = {}  # process group name -> collectives issued
-
-
-def current_rank() -> Optional[int]:
-    """This process's rank in the default process group, None outside one."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.get_rank()
-    except Exception:  # the group is being torn down
-        return None
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:
@@ -388,102 +377,8 @@ def finish(ranks: Optional[RankWatch], report: Any, failed: bool) -> Optional[No
     except NonFiniteError as error:
         return error
     finally:
-        report.collectives_sent_nonfinite = list(ranks.bad_inputs)
+        report.sent_nonfinite = list(ranks.bad_inputs)
     return None
-
-
-# -- one report for every rank ---------------------------------------------------------
-def _label(module: Optional[str], rank: int) -> str:
-    return f"[rank {rank}] {module}" if module else f"[rank {rank}]"
-
-
-def origin_order(origin: NonFiniteOrigin) -> tuple:
-    """The merged report's order: by step (none last), made on a rank before
-    arrived through a collective, then rank and time."""
-    return (origin.step is None, origin.step or 0, origin.arrived_through is not None,
-            origin.rank if origin.rank is not None else -1,
-            origin.time if origin.time is not None else math.inf)
-
-
-def _float(value: Any) -> Any:
-    """A to_dict() float field: a number, None, or "inf"/"-inf"/"nan"."""
-    return float(value) if isinstance(value, str) else value
-
-
-def combine(payloads: List[Dict[str, Any]]) -> Any:
-    """One Report from every rank's ``{"rank", "report": to_dict(),
-    "sent": [collective ids]}``, in rank order."""
-    from .report import Report
-    from .health import HealthWatch
-    from .nonfinite import NonFiniteWatch
-    from .regions import CompiledRegion
-    payloads = sorted(payloads, key=lambda p: p["rank"])
-    first = payloads[0]["report"]
-    merged = Report.from_dict(dict(first, records=[], nonfinite=[], health=[]))
-    merged.nonfinite_watch = merged.health_watch = None
-    merged.compiled_regions = []
-    merged.updates = []
-    origins, propagated, rows, watched = [], 0, [], False
-    health = False
-    for p in payloads:
-        data, rank = p["report"], p["rank"]
-        merged.merge_records(data["records"])
-        if "nonfinite" in data:
-            watched = True
-            propagated += data.get("propagated", 0)
-            for d in data["nonfinite"]:
-                o = NonFiniteOrigin.from_dict(
-                    dict(d, inputs=[dict(i, amax=_float(i["amax"])) for i in d["inputs"]]))
-                if o.rank is None:
-                    o.rank = rank
-                origins.append(o)
-        if "health" in data:
-            health = True
-            rows += [dict(d, module=_label(d["module"], rank)) for d in data["health"]]
-        merged.compiled_regions += [CompiledRegion.from_dict(d)
-                                    for d in data.get("compiled_regions", ())]
-        merged.updates += [dict(d, name=_label(d["name"] or "", rank).rstrip())
-                           for d in data.get("updates", ())]
-    sent = {p["rank"]: set(p.get("sent", ())) for p in payloads}
-    for o in origins:
-        if o.arrived_through is not None and o.from_ranks is None and o.collective:
-            o.from_ranks = [r for r in sorted(sent) if o.collective in sent[r]]
-    if watched:
-        watch = merged.nonfinite_watch = NonFiniteWatch("record")
-        watch.propagated = propagated
-        for o in sorted(origins, key=origin_order):
-            known = watch.origins.get(o.key)
-            if known is None:
-                watch.origins[o.key] = o
-            else:
-                known.count += o.count
-    if health:
-        rows = [dict(d, **{k: _float(d[k]) for k in ("amax", "min_nonzero")}) for d in rows]
-        merged.health_watch = HealthWatch.from_dicts(rows)
-    merged.ranks = [p["rank"] for p in payloads]
-    return merged
-
-
-def merge_ranks(report: Any, dst: Optional[int] = 0, group: Optional[Any] = None) -> Any:
-    """Gathers ``report`` from every rank of ``group`` (one collective):
-    the merged Report on ``dst`` (every rank with ``dst=None``), None on the
-    others. Every rank of the group must call it. See Report.merge_ranks."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("torchcast.Report.merge_ranks: torch.distributed is not initialized; "
-                           "call torch.distributed.init_process_group first")
-    payload = {"rank": dist.get_rank(), "report": report.to_dict(),
-               "sent": list(getattr(report, "collectives_sent_nonfinite", ()))}
-    world = dist.get_world_size(group)
-    if dst is None:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, payload, group=group)
-    else:
-        gathered = [None] * world if dist.get_rank() == dst else None
-        dist.gather_object(payload, gathered, dst=dst, group=group)
-        if dist.get_rank() != dst:
-            return None
-    return combine(gathered)
 
 
 # -- the CLI under torchrun -------------------------------------------------------------

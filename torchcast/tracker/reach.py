@@ -4,8 +4,8 @@ outputs, the loss or the gradients, or were absorbed.
 
 nonfinite.py finds the origins, op by op; this module follows the block's
 steps around them (its top-level module calls, backward, optimizer steps:
-modules.py's output listener and the global hooks at the end) and reads the
-values a step's results leave by. It runs at another grain than the per-op
+modules.py's output listener and events.py) and reads the values a step's
+results leave by. It runs at another grain than the per-op
 check, and costs nothing per op. A ``NonFiniteWatch`` owns one
 ``StepTracker``: it tells it of each call of an origin (``occurred``), asks
 it for a backward origin's forward method (``forward``), and starts and
@@ -58,8 +58,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
+from .events import BACKWARD, OPTIMIZER_STEP, subscribe, unsubscribe
 from .modules import add_output_listener, remove_output_listener, running_calls
-from .nonfinite_origin import NonFiniteError, NonFiniteOrigin, floating_data, reach_rank
+from .nonfinite_origin import NonFiniteError, floating_data
+from .origin import NonFiniteOrigin, reach_rank
 
 
 class StepTracker:
@@ -109,11 +111,11 @@ class StepTracker:
     def start(self) -> None:
         """Starts counting steps and deciding reach, in the calling thread
         (the track's entry); ``end_block`` and ``stop`` end it."""
-        _install_reach_hooks()
         self.thread = threading.get_ident()
         self.started = True
         add_output_listener(self._module_returned)
-        _thread_trackers().append(self)
+        subscribe(OPTIMIZER_STEP, self._optimizer_step)
+        subscribe(BACKWARD, self._backward_from)
 
     def end_block(self, failed: bool) -> Optional[NonFiniteError]:
         """At the block's exit, once the watch's pending flags are read:
@@ -138,7 +140,8 @@ class StepTracker:
         if self.started:
             self.started = False
             remove_output_listener(self._module_returned)
-            _thread_trackers().remove(self)
+            unsubscribe(OPTIMIZER_STEP, self._optimizer_step)
+            unsubscribe(BACKWARD, self._backward_from)
             with self.watch.lock:
                 for origin in self.watch.origins.values():
                     self._resolve(origin)
@@ -429,61 +432,3 @@ def _class_forward(kind: type) -> tuple:
     forward = getattr(kind, "forward", None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     return (name, code.co_filename, code.co_firstlineno) if code is not None else (name,)
-
-
-# The global hooks that tell a thread's trackers of its steps: optimizer
-# steps (torch.optim's global step hooks: every Optimizer subclass) and the
-# start of backward (torch.autograd's engine entry, which backward() and
-# autograd.grad() both call, wrapped as torch.compiler's own patch of it
-# does). Installed by the first track(nonfinite=...) and kept: removing them
-# while another thread iterates torch's hook dict would break its step.
-_thread_state = threading.local()
-_reach_lock = threading.Lock()
-_reach_installed = False
-
-
-def _thread_trackers() -> List[StepTracker]:
-    trackers = getattr(_thread_state, "trackers", None)
-    if trackers is None:
-        trackers = _thread_state.trackers = []
-    return trackers
-
-
-def _optimizer_pre_hook(optimizer, args, kwargs) -> None:
-    for tracker in list(getattr(_thread_state, "trackers", ())):
-        tracker._optimizer_step(optimizer, before=True)
-
-
-def _optimizer_post_hook(optimizer, args, kwargs) -> None:
-    for tracker in list(getattr(_thread_state, "trackers", ())):
-        tracker._optimizer_step(optimizer, before=False)
-
-
-def _install_reach_hooks() -> None:
-    global _reach_installed
-    with _reach_lock:
-        if not _reach_installed:
-            from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                               register_optimizer_step_pre_hook)
-            register_optimizer_step_pre_hook(_optimizer_pre_hook)
-            register_optimizer_step_post_hook(_optimizer_post_hook)
-            _reach_installed = True
-        # Looked at on every track: a patch of torch's own (make_fx's) that
-        # began before the first and ended after it restores what it saved.
-        run_backward = torch.autograd.graph._engine_run_backward
-        if getattr(run_backward, "_torchcast_reach", False):
-            return
-
-        def _engine_run_backward(t_outputs, *args, **kwargs):
-            trackers = getattr(_thread_state, "trackers", None)
-            if trackers and not torch.compiler.is_compiling():
-                outputs = [t_outputs] if isinstance(t_outputs, torch.Tensor) else t_outputs
-                for tracker in list(trackers):
-                    tracker._backward_from(outputs)
-            return run_backward(t_outputs, *args, **kwargs)
-
-        _engine_run_backward.__wrapped__ = run_backward
-        _engine_run_backward.__doc__ = run_backward.__doc__
-        _engine_run_backward._torchcast_reach = True
-        torch.autograd.graph._engine_run_backward = _engine_run_backward
-        torch.autograd._engine_run_backward = _engine_run_backward

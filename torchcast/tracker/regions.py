@@ -19,7 +19,7 @@ out.
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -107,21 +107,36 @@ class RegionWatch:
     """The compiled regions around one track: those compiled before it
     (which may run in it) and those compiled in it."""
 
-    def __init__(self, all_casts: bool, nonfinite: bool, health: bool, instrumenting: bool):
-        """Args: the track's features, and whether compiled.py's cast pass
-        is installed as it enters (then the casts of what it compiles are
+    def __init__(self, all_casts: bool, nonfinite: bool, health: bool,
+                 instrumenting: Callable[[], bool]):
+        """Args: the track's features, and what says whether compiled.py's
+        cast pass is installed (then the casts of what it compiles are
         measured)."""
         self.features = (all_casts, nonfinite, health)
         self.instrumenting = instrumenting
+        self.instrumented = False  # compiled.py's pass was installed at the start
+        self.compiled_before = set()
+        self.report = None
+
+    def start(self, report: Any) -> None:
+        """Notes what was compiled before the track; ``stop`` writes the
+        regions into ``report.compiled_regions``."""
+        self.report = report
+        self.instrumented = self.instrumenting()
         self.compiled_before = set(_compiled_functions())
 
-    def stop(self) -> List[CompiledRegion]:
+    def stop(self, error: Optional[BaseException] = None) -> None:
+        """Writes into the report the regions with something this track
+        could not watch inside, in the order they were compiled."""
+        self.report.compiled_regions = self.regions()
+
+    def regions(self) -> List[CompiledRegion]:
         """The regions with something this track could not watch inside,
         in the order they were compiled."""
         functions = _compiled_functions()
         compiled_here = set(functions) - self.compiled_before
         all_casts, nonfinite, health = self.features
-        if all_casts and self.instrumenting:
+        if all_casts and self.instrumented:
             _instrumented.update(compiled_here)
         regions = []
         for key in sorted(functions, key=lambda k: (k[1] or 0.0, _id_order(k[0]))):

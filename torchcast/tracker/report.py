@@ -1,157 +1,42 @@
-"""Record and Report: the casts of a track() block merged by site, read
-back (one transfer per device), and merged across ranks and processes.
-Until read, a site's stats stay tensors on the cast's device.
-
-Report's methods are where its users call them; those that write it out
-delegate: to report_table.py (the text table), report_dict.py (the dict
-form, JSON, and atomic writes), html.py and tensorboard.py.
+"""Report: what a track() recorded, as data. Its sections (the cast sites,
+the non-finite origins and entries, module health and block headroom,
+optimizer updates, compiled regions, how the block ended) are records;
+the features of a track write them (features.py), and while the track runs
+a feature may also attach a refresh, which brings its section up to date
+before a read. Everything that leaves a report goes through its dict form
+(report_dict.py): JSON, the text table, the HTML page, TensorBoard, and
+the merge of ranks, which merges dicts.
 """
-import dataclasses
 import json
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..stats import STAT_FIELDS, CastStats, dtype_from_name, merge_stats_tensors
 from ..violations import Violations, ViolationsSpec
-from .block_headroom import BlockHeadroomTable
-from .health import HeadroomTable, HealthWatch, ModuleHealth, headroom_lines, headroom_table
+from .block_headroom import BlockHeadroomRow, BlockHeadroomTable
+from .health_rows import HeadroomTable, ModuleHealth, headroom_lines, headroom_table, severity
 from .html import render_html
-from .nonfinite import NonFiniteWatch
-from .nonfinite_origin import NonFiniteOrigin, reach_rank
+from .json_floats import float_from_json
+from .origin import NonFiniteOrigin, reach_rank
+from .records import CastSites, Record, SiteKey, undone_upcasts
 from .regions import CompiledRegion
-from .report_dict import (json_float, origin_from_dict, report_from_dict, report_to_dict,
+from .report_dict import (check_format, merge_dict, merge_ranks_dicts, report_to_dict,
                           write_text)
 from .report_table import render_table
-from .sites import short_path
 from .tensorboard import write_tensorboard
-
-# (module, file, line, origin, name, src_dtype, dtype, via): casts with the
-# same key merge into one Record.
-SiteKey = Tuple[Optional[str], str, int, str, Optional[str], torch.dtype, torch.dtype,
-                Optional[str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """The merged casts of one site: a module (None outside any forward), a
-    source line, an origin ("cast", "copy_", "autocast", "backward" or
-    "safe_to"), a safe_to name, and a dtype pair.
-
-    ``stats`` merges every call's CastStats (elements of complex casts count
-    real components when both sides are complex). ``measured`` is false where
-    the loss is not measured (float -> integer casts, float8_e4m3fn <->
-    float8_e5m2, formats torchcast does not know): then
-    only ``stats.numel`` is set. ``graph_cuts`` counts casts of a tensor that
-    required grad to an integer or bool dtype; ``imag_dropped`` the elements
-    whose nonzero imaginary part a complex -> real cast dropped;
-    ``double_rounded`` the elements where PyTorch's float64 ->
-    float16/bfloat16/float8 cast (rounded twice, through float32) differs from the
-    correctly rounded value: ``stats`` measure PyTorch's value. ``file`` and
-    ``line`` are the user's (outside torch, torchcast and libraries); ``via``
-    is the library frame the cast came through ("path:line"), if any."""
-
-    module: Optional[str]
-    file: str
-    line: int
-    origin: str
-    name: Optional[str]
-    src_dtype: torch.dtype
-    dtype: torch.dtype
-    calls: int
-    stats: CastStats
-    measured: bool = True
-    graph_cuts: int = 0
-    imag_dropped: int = 0
-    double_rounded: int = 0
-    via: Optional[str] = None
-
-    @property
-    def key(self) -> SiteKey:
-        """(module, file, line, origin, name, src_dtype, dtype, via): what
-        identifies the site."""
-        return (self.module, self.file, self.line, self.origin, self.name, self.src_dtype,
-                self.dtype, self.via)
-
-    @property
-    def site(self) -> str:
-        """The site as printed: "module file:line safe_to(name) via lib.py:N"."""
-        where = f"{short_path(self.file)}:{self.line}"
-        what = (f" safe_to({self.name})" if self.name else "") + \
-            (f" via {self.via}" if self.via else "")
-        return f"{self.module} {where}{what}" if self.module else f"{where}{what}"
-
-    def violations(self, rtol: Optional[float] = None, atol: Optional[float] = None,
-                   kinds: ViolationsSpec = None) -> List[str]:
-        """What makes this site a violation.
-
-        Args:
-            rtol, atol: the tolerances to check max_rel_err and max_abs_err
-                against (None: not checked).
-            kinds: which losses count, as track's ``violations`` (None:
-                ``torchcast.violations.DEFAULT``); fractions are of the
-                site's elements.
-
-        Returns:
-            One phrase per kind of violation, e.g. "12 overflow" (empty
-            list: none).
-        """
-        return Violations(kinds).found(self.stats if self.measured else None, self.graph_cuts,
-                                       self.imag_dropped, rtol, atol)
-
-    def notes(self, kinds: ViolationsSpec = None) -> List[str]:
-        """The losses of this site that ``kinds`` does not count as
-        violations (e.g. "3 subnormal" under the default)."""
-        return Violations(kinds).notes(self.stats if self.measured else None)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The record as JSON-ready values: dtypes as strings, non-finite
-        stats (the maxima of a cast that all overflowed, an infinite or NaN
-        ``sqnr_db``) as the strings "inf", "-inf" or "nan" (``json_float``),
-        which ``float()`` reads back."""
-        stats = self.stats.to_dict()
-        for name in ("src_dtype", "dtype"):
-            stats.pop(name)
-        stats = json_float(stats)
-        return {
-            "site": self.site, "module": self.module, "file": self.file, "line": self.line,
-            "via": self.via, "origin": self.origin, "name": self.name,
-            "src_dtype": str(self.src_dtype),
-            "dtype": str(self.dtype), "calls": self.calls, "measured": self.measured,
-            "graph_cuts": self.graph_cuts, "imag_dropped": self.imag_dropped,
-            "double_rounded": self.double_rounded, "stats": stats,
-        }
-
-
-class _Site:
-    __slots__ = ("calls", "buf", "numel", "measured", "graph_cuts", "imag", "double_rounded")
-    COLLAPSE = 64  # merge the pending stats tensors of a site every COLLAPSE casts
-
-    def __init__(self, measured):
-        self.calls, self.buf, self.numel, self.measured = 0, [], 0, measured
-        self.graph_cuts, self.imag, self.double_rounded = 0, 0, 0
-
-    def merged(self):
-        if not self.buf:
-            return None
-        if len(self.buf) == 1:
-            return self.buf[0]
-        device = self.buf[0].device
-        return merge_stats_tensors(torch.stack([b.to(device) for b in self.buf]))
-
-
-Count = Union[int, torch.Tensor]
 
 
 class Report:
-    """The casts recorded by ``torchcast.track``, merged by site.
+    """The casts recorded by ``torchcast.track``, merged by site, and what
+    its other features found.
 
-    ``records`` lists them worst first (violations first, then by max rel
-    err); ``str(report)`` is that list as a table; ``to_dict``/``to_json`` for
-    loggers (``Report.from_json`` reads it back); ``all_reduce()`` merges the
-    reports of all torch.distributed ranks. Reading the report synchronizes
-    with the device once; recording never does under policy "record".
+    ``records`` lists the casts worst first (violations first, then by max
+    rel err); ``str(report)`` is the whole report as text; ``to_dict`` /
+    ``to_json`` for loggers (``Report.from_dict`` / ``from_json`` read them
+    back, equal); ``merge_ranks()`` makes one report of every
+    torch.distributed rank's. Reading the report synchronizes with the device
+    once; recording never does under policy "record".
 
     Args:
         rtol, atol: the tolerances that make a site a violation (None: not
@@ -161,51 +46,96 @@ class Report:
 
     Attributes:
         kinds (torchcast.violations.Violations): ``violations``, parsed.
+        casts (CastSites): the cast sites as they accumulate.
+        updates: what rounding did to the updates of the torchcast
+            optimizers that stepped with track_updates=True (rows).
+        compiled_regions: the torch.compile'd regions a track could not
+            watch inside (regions.py).
+        ended_by: the exception that left the block, if one did.
+        ranks: the ranks a merged report holds (merge_ranks), else None.
     """
 
     def __init__(self, rtol: Optional[float] = None, atol: Optional[float] = None,
                  violations: ViolationsSpec = None):
         self.rtol, self.atol = rtol, atol
         self.kinds = Violations(violations)
-        self.nonfinite_watch: Optional[NonFiniteWatch] = None
-        self.health_watch: Optional[HealthWatch] = None
-        # torch.compile'd regions that ran in the block with something this
-        # track could not watch inside them (regions.py).
-        self.compiled_regions: List[CompiledRegion] = []
-        # What rounding did to the updates of the torchcast optimizers that
-        # stepped in the block with track_updates=True (updates.py): rows.
+        self.casts = CastSites()
+        self.nonfinite_tracked = False
+        self.health_tracked = False
+        self.block_formats: Tuple[str, ...] = ()
+        self.block_rows: List[BlockHeadroomRow] = []
         self.updates: List[Dict[str, Any]] = []
-        # Set when the block was left by an exception (its name and message),
-        # KeyboardInterrupt included: the report holds what was known then.
+        self.compiled_regions: List[CompiledRegion] = []
         self.ended_by: Optional[str] = None
-        self._sites = {}
+        self.ranks: Optional[List[int]] = None
+        # The ids of the collectives this rank sent NaN/inf into (ranks.py).
+        self.sent_nonfinite: List[str] = []
+        self._origins: List[NonFiniteOrigin] = []
+        self._propagated = 0
+        self._health: List[ModuleHealth] = []
+        self._refreshes: List[Callable[[], None]] = []
         self._lock = threading.Lock()
+
+    # -- what the features write --------------------------------------------------
+    def attach(self, refresh: Callable[[], None]) -> None:
+        """Calls ``refresh()`` before each read until ``detach(refresh)``: a
+        running feature bringing its section up to date."""
+        self._refreshes.append(refresh)
+
+    def detach(self, refresh: Callable[[], None]) -> None:
+        """Undoes ``attach(refresh)``."""
+        self._refreshes.remove(refresh)
+
+    def _refresh(self) -> None:
+        for refresh in list(self._refreshes):
+            refresh()
+
+    def set_origins(self, origins: Sequence[NonFiniteOrigin], propagated: int) -> None:
+        """The non-finite section: its origins and entries in the order they
+        happened, and the op calls that only passed NaN/inf on."""
+        with self._lock:
+            self.nonfinite_tracked = True
+            self._origins, self._propagated = list(origins), propagated
+
+    def add_origins(self, origins: Sequence[NonFiniteOrigin], propagated: int = 0) -> None:
+        """Merges origins (a worker's, a rank's) into the non-finite section:
+        one already here adds its count; all stay in the order they happened
+        (``time``, the machine's clock; those without one last)."""
+        with self._lock:
+            self.nonfinite_tracked = True
+            known = {o.key: o for o in self._origins}
+            for origin in origins:
+                if origin.key in known:
+                    known[origin.key].count += origin.count
+                else:
+                    known[origin.key] = origin
+                    self._origins.append(origin)
+            self._origins.sort(key=lambda o: (o.time is None, o.time or 0.0))
+            self._propagated += propagated
+
+    def set_health(self, rows: Sequence[ModuleHealth]) -> None:
+        """The health section: one row per module, phase and dtype."""
+        self.health_tracked = True
+        self._health = sorted(rows, key=severity)
+
+    def add_health(self, rows: Sequence[ModuleHealth]) -> None:
+        """Adds rows (another rank's) to the health section."""
+        self.set_health(self._health + list(rows))
+
+    def add_block_rows(self, formats: Sequence[str], rows: Sequence[BlockHeadroomRow]) -> None:
+        """Adds block formats and their rows to the block headroom section."""
+        self.health_tracked = True
+        self.block_formats = tuple(dict.fromkeys(self.block_formats + tuple(formats)))
+        self.block_rows = self.block_rows + list(rows)
 
     # -- reading ----------------------------------------------------------------
     @property
     def records(self) -> List[Record]:
-        """The sites as Records, worst first (one synchronization per device)."""
-        with self._lock:
-            items = [(key, site, site.merged()) for key, site in self._sites.items()]
-        values = _to_host([merged for _, _, merged in items]
-                          + [site.imag for _, site, _ in items]
-                          + [site.double_rounded for _, site, _ in items])
-        n = len(items)
-        records = []
-        for i, (key, site, merged) in enumerate(items):
-            module, file, line, origin, name, src_dtype, dtype, via = key
-            if merged is None:
-                stats = CastStats(src_dtype, dtype, numel=site.numel)
-            else:
-                stats = CastStats.from_values(values[i], src_dtype, dtype)
-                stats = dataclasses.replace(stats, numel=stats.numel + site.numel)
-            records.append(Record(module, file, line, origin, name, src_dtype, dtype, site.calls,
-                                  stats, site.measured, site.graph_cuts,
-                                  int(values[n + i]), int(values[2 * n + i]), via))
-        records.sort(key=self._severity, reverse=True)
-        return records
+        """The cast sites as Records, worst first (one synchronization per device)."""
+        self._refresh()
+        return sorted(self.casts.records(), key=self._severity, reverse=True)
 
-    def _severity(self, r):
+    def _severity(self, r: Record) -> tuple:
         s = r.stats
         return (bool(r.violations(self.rtol, self.atol, self.kinds)), r.graph_cuts, r.imag_dropped,
                 s.overflow, s.underflow, s.subnormal, s.max_rel_err, s.inexact, s.numel)
@@ -225,28 +155,16 @@ class Report:
         Returns:
             (the program's cast, autocast's cast) pairs.
         """
-        records = self.records
-        autocasts = {(r.module, r.file, r.line, r.src_dtype, r.dtype): r
-                     for r in records if r.origin == "autocast"}
-        pairs = []
-        for r in records:
-            if r.origin != "cast" or r.dtype is None or r.src_dtype is None:
-                continue
-            back = autocasts.get((r.module, r.file, r.line, r.dtype, r.src_dtype))
-            if back is not None and r.dtype.itemsize > r.src_dtype.itemsize:
-                pairs.append((r, back))
-        return pairs
+        return undone_upcasts(self.records)
 
     @property
     def nonfinite(self) -> List[NonFiniteOrigin]:
-        """The ops that made NaN/inf from finite inputs, in the order they
-        happened (``track(nonfinite=...)``; empty without it)."""
-        watch = self.nonfinite_watch
-        if watch is None:
-            return []
-        watch.flush()
-        with watch.lock:
-            return list(watch.origins.values())
+        """The ops that made NaN/inf from finite inputs and the entries of
+        NaN/inf no watched op made, in the order they happened
+        (``track(nonfinite=...)``; empty without it)."""
+        self._refresh()
+        with self._lock:
+            return list(self._origins)
 
     @property
     def first_nonfinite(self) -> Optional[NonFiniteOrigin]:
@@ -264,11 +182,8 @@ class Report:
     @property
     def propagated(self) -> int:
         """How many op calls made NaN/inf only because an input held some."""
-        watch = self.nonfinite_watch
-        if watch is None:
-            return 0
-        watch.flush()
-        return watch.propagated
+        self._refresh()
+        return self._propagated
 
     @property
     def health(self) -> List[ModuleHealth]:
@@ -278,7 +193,8 @@ class Report:
         it), worst first: non-finite values, then the fewest binades between
         amax and the dtype's largest value, then the most zero and subnormal
         elements."""
-        return self.health_watch.rows() if self.health_watch is not None else []
+        self._refresh()
+        return list(self._health)
 
     def headroom(self, dtype: Union[torch.dtype, str],
                  scale: Union[None, float, str] = None) -> Union[HeadroomTable,
@@ -308,19 +224,16 @@ class Report:
             ValueError: a block format that was not measured, or a scale
                 given with one.
         """
-        if self.health_watch is None:
-            raise RuntimeError("torchcast.Report.headroom: this report has no module health; "
-                               "record it with torchcast.track(health=True)")
+        self._check_health("headroom")
         if isinstance(dtype, str):
             if scale is not None:
                 raise ValueError(f"torchcast.Report.headroom: {dtype} scales each block by its "
                                  "own rule; leave scale=None")
-            if dtype not in self.health_watch.block_formats():
+            if dtype not in self.block_formats:
                 raise ValueError(f"torchcast.Report.headroom: {dtype!r} was not measured; "
                                  f"track(health=True, block_formats=({dtype!r},)) measures it")
-            return BlockHeadroomTable(dtype, [r for r in self.health_watch.block_rows()
-                                              if r.format == dtype])
-        return headroom_table(self.health_watch, dtype, scale)
+            return BlockHeadroomTable(dtype, [r for r in self.block_rows if r.format == dtype])
+        return headroom_table(self.health, dtype, scale)
 
     def headroom_summary(self) -> str:
         """Every module entry's headroom in every format, as one compact
@@ -333,27 +246,33 @@ class Report:
         Returns:
             The table's text.
         """
-        if self.health_watch is None:
-            raise RuntimeError("torchcast.Report.headroom_summary: this report has no module "
+        self._check_health("headroom_summary")
+        return "\n".join(headroom_lines(self.health))
+
+    def _check_health(self, method: str) -> None:
+        self._refresh()
+        if not self.health_tracked:
+            raise RuntimeError(f"torchcast.Report.{method}: this report has no module "
                                "health; record it with torchcast.track(health=True)")
-        return "\n".join(headroom_lines(self.health_watch))
 
     def __len__(self) -> int:
-        return len(self._sites)
+        self._refresh()
+        return len(self.casts)
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self.records)
 
     def table(self, limit: Optional[int] = None) -> str:
-        """The records as a table, worst first.
+        """The report as text: the non-finite origins, the cast sites worst
+        first, module health, updates and compiled regions.
 
         Args:
             limit: show only the ``limit`` worst sites (None: all).
 
         Returns:
-            A summary line, then one line per site.
+            A summary line, then one line per site, then the other sections.
         """
-        return render_table(self, limit)
+        return render_table(self.to_dict(), limit)
 
     def __str__(self) -> str:
         return self.table()
@@ -361,9 +280,10 @@ class Report:
     def __repr__(self) -> str:
         return f"<torchcast.Report: {len(self)} sites>"
 
-    # -- serializing and merging ------------------------------------------------
+    # -- the dict form ----------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
-        """The report as JSON-ready values, for ``from_dict``.
+        """The report as JSON-ready values, for ``from_dict`` (report_dict.py
+        lists the sections).
 
         Returns:
             {"format", "version", "rtol", "atol", "violations", "records":
@@ -373,6 +293,7 @@ class Report:
             non-finite float is the string "inf", "-inf" or "nan" (see
             ``to_json``).
         """
+        self._refresh()
         return report_to_dict(self)
 
     def to_json(self, **kwargs: Any) -> str:
@@ -437,9 +358,15 @@ class Report:
             data: what ``to_dict`` returned (ValueError for anything else).
 
         Returns:
-            A Report with the same records.
+            A Report equal to the one written, section by section.
         """
-        return report_from_dict(cls, data)
+        check_format(data)
+        report = cls(float_from_json(data.get("rtol"), "rtol"),
+                     float_from_json(data.get("atol"), "atol"), data.get("violations"))
+        merge_dict(report, data)
+        report.ranks = data.get("ranks")
+        report.sent_nonfinite = list(data.get("sent_nonfinite", ()))
+        return report
 
     @classmethod
     def from_json(cls, text: str) -> "Report":
@@ -453,86 +380,31 @@ class Report:
         """
         return cls.from_dict(json.loads(text))
 
+    def merge(self, data: Dict[str, Any]) -> None:
+        """Merges another report's dict form into this one, every section
+        (a worker process's records and origins; report_dict.merge_dict).
+
+        Args:
+            data: ``Report.to_dict()`` of another report, or part of it.
+        """
+        merge_dict(self, data)
+
     def clear(self) -> None:
-        """Forgets every record (a forked worker starts from nothing)."""
+        """Forgets every cast and origin (a forked worker starts from nothing)."""
+        self.casts.clear()
         with self._lock:
-            self._sites = {}
+            self._origins, self._propagated = [], 0
 
-    def merge_records(self, records: List[Dict[str, Any]]) -> None:
-        """Merges records in ``to_dict()["records"]``'s form into this report
-        (another rank's, a worker process's).
-
-        Args:
-            records: the records, as ``Record.to_dict`` gives them.
-        """
-        for r in records:
-            key = (r["module"], r["file"], r["line"], r["origin"], r["name"],
-                   dtype_from_name(r["src_dtype"]), dtype_from_name(r["dtype"]), r.get("via"))
-            # float() reads the strings "inf", "-inf" and "nan" of non-finite stats.
-            stats = torch.tensor([float(r["stats"][f]) for f in STAT_FIELDS], dtype=torch.float64)
-            merge_into(self, key, stats, measured=r["measured"], calls=r["calls"],
-                       graph_cuts=r["graph_cuts"], imag=r["imag_dropped"],
-                       double_rounded=r["double_rounded"])
-
-    def merge_nonfinite(self, origins: List[Dict[str, Any]], propagated: int = 0) -> None:
-        """Merges non-finite origins in ``to_dict()["nonfinite"]``'s form (a
-        worker process's) into this report's, which stay in the order they
-        happened: by their ``time``, the machine's clock (origins without one
-        come last, in the order given). An origin already here adds its count.
-
-        Args:
-            origins: the origins, as ``NonFiniteOrigin.to_dict`` gives them.
-            propagated: op calls that only passed NaN/inf on, to add.
-        """
-        if not origins and not propagated:
-            return
-        watch = self.nonfinite_watch
-        if watch is None:
-            watch = self.nonfinite_watch = NonFiniteWatch("record")
-        with watch.lock:
-            watch.propagated += propagated
-            for d in origins:
-                origin = origin_from_dict(d)
-                known = watch.origins.get(origin.key)
-                if known is None:
-                    watch.origins[origin.key] = origin
-                else:
-                    known.count += origin.count
-            ordered = sorted(watch.origins.items(),
-                             key=lambda item: (item[1].time is None, item[1].time or 0.0))
-            watch.origins.clear()
-            watch.origins.update(ordered)
-
-    def all_reduce(self, group: Optional[Any] = None) -> "Report":
-        """Merges this report with the same report on every rank, in place,
-        on every rank. Each call adds the other ranks' records again, like
-        ``torch.distributed.all_reduce`` on a tensor: call it once.
-
-        Args:
-            group: the torch.distributed process group (None: the world).
-
-        Returns:
-            self.
-        """
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("torchcast.Report.all_reduce: torch.distributed is not "
-                               "initialized; call torch.distributed.init_process_group first")
-        mine = self.to_dict()["records"]
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        self.clear()
-        for records in gathered:
-            self.merge_records(records)
-        return self
-
+    # -- ranks ------------------------------------------------------------------
     def merge_ranks(self, dst: Optional[int] = 0, group: Optional[Any] = None
                     ) -> Optional["Report"]:
-        """One report of every rank's casts, non-finite origins (each with
-        its ``rank``; by step, then made on a rank before arrived through a
-        collective) and health rows (labelled "[rank N] module"), gathered
-        with one ``gather_object`` (``all_gather_object`` with dst=None).
-        Every rank of ``group`` calls it once, after the track (ranks.py).
+        """One report of every rank's: each section of each rank's dict form
+        merged (report_dict.merge_ranks_dicts): casts by site; non-finite
+        origins, each with its ``rank``, by step, then made on a rank before
+        arrived through a collective; health, block headroom and update rows
+        labelled "[rank N] module". One ``gather_object``
+        (``all_gather_object`` with dst=None); every rank of ``group`` calls
+        it once, after the track.
 
         Args:
             dst: the rank that receives the merged report (None: every rank).
@@ -542,57 +414,48 @@ class Report:
             A new Report on ``dst`` (on every rank with dst=None), None on
             the other ranks.
         """
-        from .ranks import merge_ranks
-        return merge_ranks(self, dst, group)
+        gathered = _gather(self, dst, group, "merge_ranks")
+        if gathered is None:
+            return None
+        merged = Report(self.rtol, self.atol, str(self.kinds))
+        merge_ranks_dicts(merged, gathered)
+        return merged
+
+    def all_reduce(self, group: Optional[Any] = None) -> "Report":
+        """``merge_ranks(dst=None)`` in place: this report becomes the merged
+        report of every rank, every section (each rank calls it once, like
+        ``torch.distributed.all_reduce`` on a tensor).
+
+        Args:
+            group: the torch.distributed process group (None: the world).
+
+        Returns:
+            self.
+        """
+        gathered = _gather(self, None, group, "all_reduce")
+        self.__init__(self.rtol, self.atol, str(self.kinds))
+        merge_ranks_dicts(self, gathered)
+        return self
 
 
-def merge_into(report: Report, key: SiteKey, stats: Optional[torch.Tensor], *, measured: bool,
-               calls: int = 1, numel: int = 0, graph_cuts: int = 0,
-               imag: Optional[Count] = None, double_rounded: Optional[Count] = None) -> None:
-    """Merges casts into the site ``key`` of ``report``: one tracked cast, or
-    a serialized record's many. Thread-safe; never synchronizes.
-
-    Args:
-        report: the Report to record into.
-        key: the site.
-        stats: the casts' stats tensor (None: nothing measured).
-        measured: whether the loss is measured at this site (a new site).
-        calls: how many casts this is.
-        numel: elements of casts without a stats tensor.
-        graph_cuts: how many of the casts cut the autograd graph.
-        imag: elements whose nonzero imaginary part was dropped.
-        double_rounded: elements PyTorch rounded twice to another value.
-    """
-    with report._lock:
-        site = report._sites.get(key)
-        if site is None:
-            site = report._sites[key] = _Site(measured)
-        site.calls += calls
-        site.numel += numel
-        site.graph_cuts += graph_cuts
-        if imag is not None:
-            site.imag = site.imag + imag
-        if double_rounded is not None:
-            site.double_rounded = site.double_rounded + double_rounded
-        if stats is not None:
-            site.buf.append(stats)
-            if len(site.buf) >= _Site.COLLAPSE:
-                site.buf = [site.merged()]
+def _gather(report: Report, dst: Optional[int], group: Any, method: str
+            ) -> Optional[List[Dict[str, Any]]]:
+    """Every rank's ``{"rank", "report": to_dict(), "sent"}`` on ``dst``
+    (every rank with None), None on the others: one collective."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"torchcast.Report.{method}: torch.distributed is not initialized; "
+                           "call torch.distributed.init_process_group first")
+    payload = {"rank": dist.get_rank(), "report": report.to_dict(),
+               "sent": list(report.sent_nonfinite)}
+    world = dist.get_world_size(group)
+    if dst is None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, payload, group=group)
+        return gathered
+    gathered = [None] * world if dist.get_rank() == dst else None
+    dist.gather_object(payload, gathered, dst=dst, group=group)
+    return gathered if dist.get_rank() == dst else None
 
 
-def _to_host(values: List[Optional[Count]]) -> list:
-    """Lists of Python numbers for a list of tensors (or ints), one transfer
-    per device."""
-    by_device = {}
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(i)
-    out = list(values)
-    for device, idx in by_device.items():
-        flat = torch.cat([values[i].reshape(-1).to(torch.float64) for i in idx]).tolist()
-        pos = 0
-        for i in idx:
-            n = values[i].numel()
-            out[i] = flat[pos:pos + n] if values[i].dim() else flat[pos]
-            pos += n
-    return out
+__all__ = ["Record", "Report", "SiteKey"]

@@ -29,7 +29,7 @@ import math
 import re
 from typing import Any, Dict, List, Tuple
 
-from .health import headroom_view
+from .health_rows import headroom_view
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_./-]+")
 # add_histogram (without the raw form) takes values: a binade of n elements

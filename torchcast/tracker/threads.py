@@ -32,14 +32,13 @@ import sys
 import tempfile
 import threading
 import warnings
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from .. import _ops
 from .._inputs import PLAIN_TENSOR_TYPES
 from .mode import CastRecorder, direct_recorders, locate_cast, report_cast
-from .report import Report
 
 _lock = threading.Lock()
 _recorders: List[CastRecorder] = []
@@ -110,8 +109,9 @@ class WorkerSpool:
     directory, made at the first fork, that the track reads back when it
     exits."""
 
-    def __init__(self, report: Report):
+    def __init__(self, report: Any, watch: Any = None):
         self.report = report
+        self.watch = watch  # the track's NonFiniteWatch, if it has one
         self.path: Optional[str] = None
         self.owner = os.getpid()  # the tracking process: it alone merges and removes
         self.in_worker = False  # set in a forked process
@@ -176,8 +176,7 @@ class WorkerSpool:
                 if name.endswith(".json"):
                     with open(os.path.join(self.path, name)) as f:
                         left = json.load(f)
-                    self.report.merge_records(left["records"])
-                    self.report.merge_nonfinite(left["nonfinite"], left["propagated"])
+                    self.report.merge(left)
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = None
@@ -186,10 +185,11 @@ class WorkerSpool:
 _spools: List[WorkerSpool] = []
 
 
-def open_spool(report: Report) -> WorkerSpool:
+def open_spool(report: Any, watch: Any = None) -> WorkerSpool:
     """Starts collecting the records of processes forked from now on into
-    ``report``, until ``close_spool``."""
-    spool = WorkerSpool(report)
+    ``report`` (with the origins of ``watch``, a NonFiniteWatch), until
+    ``close_spool``."""
+    spool = WorkerSpool(report, watch)
     with _lock:
         _spools.append(spool)
     # A multiprocessing child clears the finalizers it inherits, then runs
@@ -222,9 +222,8 @@ def _after_fork_in_child() -> None:
     for spool in _spools:
         spool.report.clear()  # the parent's records stay the parent's
         spool.in_worker = True
-        watch = spool.report.nonfinite_watch
-        if watch is not None:
-            watch.forked(spool.worker_id, spool.leave)
+        if spool.watch is not None:
+            spool.watch.forked(spool.worker_id, spool.leave)
 
 
 def _flush_at_exit(spool: WorkerSpool) -> None:

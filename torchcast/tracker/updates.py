@@ -9,8 +9,7 @@ import threading
 import weakref
 from typing import Any, Dict, List, Optional
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.hooks import RemovableHandle
+from .events import OPTIMIZER_STEP, subscribe, unsubscribe
 
 # A fraction of lost updates above which the report says what to do.
 LOST_NOTABLE = 0.01
@@ -27,14 +26,16 @@ class UpdateWatch:
         self._seen: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._order: List[int] = []
         self._lock = threading.Lock()
-        self._handle: Optional[RemovableHandle] = None
+        self.report = None
 
-    def start(self) -> None:
-        """Starts noting the optimizers that step."""
-        self._handle = register_optimizer_step_post_hook(self._stepped)
+    def start(self, report: Any) -> None:
+        """Starts noting the optimizers that step; ``stop`` writes their rows
+        into ``report.updates``."""
+        self.report = report
+        subscribe(OPTIMIZER_STEP, self._stepped, any_thread=True)
 
-    def _stepped(self, optimizer, args, kwargs) -> None:
-        if not hasattr(optimizer, "update_stats") or not any(
+    def _stepped(self, optimizer, before: bool) -> None:
+        if before or not hasattr(optimizer, "update_stats") or not any(
                 g.get("track_updates") for g in optimizer.param_groups):
             return
         with self._lock:
@@ -42,14 +43,16 @@ class UpdateWatch:
                 self._seen[id(optimizer)] = optimizer
                 self._order.append(id(optimizer))
 
-    def stop(self) -> List[Dict[str, Any]]:
-        """Stops noting and returns the rows of every optimizer seen: its
-        group totals then its parameters, each with ``optimizer``, the
-        optimizer's number in the order they first stepped, counted since
-        its counters began (or were last reset)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+    def stop(self, error: Optional[BaseException] = None) -> None:
+        """Stops noting, and writes into the report the rows of every
+        optimizer seen: its group totals then its parameters, each with
+        ``optimizer``, the optimizer's number in the order they first
+        stepped, counted since its counters began (or were last reset)."""
+        unsubscribe(OPTIMIZER_STEP, self._stepped, any_thread=True)
+        self.report.updates = self.rows()
+
+    def rows(self) -> List[Dict[str, Any]]:
+        """The rows of every optimizer seen (see ``stop``)."""
         rows = []
         for k, key in enumerate(self._order):
             optimizer = self._seen.get(key)

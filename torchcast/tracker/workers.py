@@ -12,11 +12,11 @@ process to merge when its track exits (as a forked worker's).
 """
 import inspect
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.utils.data._utils.worker as _worker_module
 
-from .threads import WorkerSpool
+from .threads import WorkerSpool, close_spool, open_spool
 
 _lock = threading.Lock()
 # (spool, features, track class) per active track that follows workers.
@@ -67,7 +67,7 @@ def _run_tracked(track: Callable, spools, args, kwargs) -> Any:
         spool = WorkerSpool(report)
         spool.path, spool.in_worker, spool.worker = path, True, worker_id
         left.append(spool)
-    watch = report.nonfinite_watch
+    watch = tracked.nonfinite_watch
     if watch is not None:
         watch.forked(lambda: worker_id, lambda: [s.leave() for s in left])
     try:
@@ -100,3 +100,30 @@ def unfollow_workers(spool: WorkerSpool) -> None:
         _followed[:] = [f for f in _followed if f[0] is not spool]
         if not _followed:
             _worker_module._worker_loop = _original
+
+
+class WorkersFeature:
+    """The worker processes of a track (a feature, features.py): those forked
+    in the block inherit it (threads.py), those spawned run their loop in a
+    track of their own; both leave their records in its spool, merged into
+    the report when it stops.
+
+    Args:
+        features: the track's {"all_casts": bool, "nonfinite": action or None}.
+        track: the track class a spawned worker runs its loop in.
+        watch: the track's NonFiniteWatch, if it has one (a forked worker's
+            origins are its).
+    """
+
+    def __init__(self, features: Dict[str, Any], track: Callable, watch: Any = None):
+        self.features, self.track, self.watch = features, track, watch
+        self.spool: Optional[WorkerSpool] = None
+
+    def start(self, report: Any) -> None:
+        self.spool = open_spool(report, self.watch)
+        follow_workers(self.spool, self.features, self.track)
+
+    def stop(self, error: Optional[BaseException]) -> None:
+        spool, self.spool = self.spool, None
+        unfollow_workers(spool)
+        close_spool(spool)  # in a forked child: leaves its records for the parent
