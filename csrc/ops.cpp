@@ -1,6 +1,7 @@
-// The op schemas and the Python module that loading torchcast._C needs. Each
-// backend registers its kernels at the end of its own file (csrc/cpu/*.cpp,
-// csrc/cuda/*.cu), autograd in autograd.cpp.
+// The op schemas and the Python module that loading torchcast._C needs (the
+// tracker's functions in it: tracker_module.cpp). Each backend registers its
+// kernels at the end of its own file (csrc/cpu/*.cpp, csrc/cuda/*.cu),
+// autograd in autograd.cpp.
 #include <Python.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/Dtype.h>
@@ -11,12 +12,9 @@
 
 #include "all_finite.h"
 #include "cast_common.h"
-#include "dtype_watch.h"
 #include "formats.h"
-#include "nonfinite_watch.h"
 #include "numerics.h"
-#include "program_casts.h"
-#include "thread_casts.h"
+#include "tracker_module.h"
 
 namespace {
 
@@ -67,19 +65,6 @@ PyObject* format_traits() {
     return nullptr;
   }
   return table;
-}
-
-PyObject* in_program_cast(PyObject*, PyObject*) {
-  return PyBool_FromLong(torchcast::in_program_cast());
-}
-
-PyObject* set_cast_callback(PyObject*, PyObject* callback) {
-  if (callback != Py_None && !PyCallable_Check(callback)) {
-    PyErr_SetString(PyExc_TypeError, "set_cast_callback: expected a callable or None");
-    return nullptr;
-  }
-  torchcast::set_cast_callback(callback);
-  Py_RETURN_NONE;
 }
 
 PyObject* exact_cast_stats(PyObject*, PyObject* tensor) {
@@ -269,108 +254,7 @@ PyObject* all_finite_amax(PyObject*, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* start_nonfinite_watch(PyObject*, PyObject* args) {
-  PyObject* callback = nullptr;
-  PyObject* skip = nullptr;
-  if (!PyArg_ParseTuple(args, "OO", &callback, &skip)) return nullptr;
-  if (!PyCallable_Check(callback)) {
-    PyErr_SetString(PyExc_TypeError, "start_nonfinite_watch: expected a callable");
-    return nullptr;
-  }
-  HANDLE_TH_ERRORS
-  std::vector<std::string> names;
-  for (const auto& name : pybind11::reinterpret_borrow<pybind11::iterable>(skip)) {
-    names.push_back(name.cast<std::string>());
-  }
-  torchcast::start_nonfinite_watch(callback, names);
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* stop_nonfinite_watch(PyObject*, PyObject*) {
-  torchcast::stop_nonfinite_watch();
-  Py_RETURN_NONE;
-}
-
-PyObject* take_propagated(PyObject*, PyObject*) {
-  return PyLong_FromLongLong(torchcast::take_propagated());
-}
-
-PyObject* account_for_nonfinite(PyObject*, PyObject* tensor) {
-  if (!THPVariable_Check(tensor)) {
-    PyErr_SetString(PyExc_TypeError, "account_for_nonfinite: expected a tensor");
-    return nullptr;
-  }
-  HANDLE_TH_ERRORS
-  torchcast::account_for_nonfinite(THPVariable_Unpack(tensor));
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* pause_nonfinite_watch(PyObject*, PyObject* flag) {
-  const int pause = PyObject_IsTrue(flag);
-  if (pause < 0) return nullptr;
-  return PyBool_FromLong(torchcast::pause_nonfinite_watch(pause != 0));
-}
-
-PyObject* set_thread_tracked(PyObject*, PyObject* flag) {
-  const int tracked = PyObject_IsTrue(flag);
-  if (tracked < 0) return nullptr;
-  torchcast::set_thread_tracked(tracked != 0);
-  Py_RETURN_NONE;
-}
-
-PyObject* set_thread_direct(PyObject*, PyObject* flag) {
-  const int direct = PyObject_IsTrue(flag);
-  if (direct < 0) return nullptr;
-  torchcast::set_thread_direct(direct != 0);
-  Py_RETURN_NONE;
-}
-
-PyObject* pause_thread_casts(PyObject*, PyObject* flag) {
-  const int pause = PyObject_IsTrue(flag);
-  if (pause < 0) return nullptr;
-  return PyBool_FromLong(torchcast::pause_thread_casts(pause != 0));
-}
-
-PyObject* start_dtype_watch(PyObject*, PyObject* callback) {
-  if (!PyCallable_Check(callback)) {
-    PyErr_SetString(PyExc_TypeError, "start_dtype_watch: expected a callable");
-    return nullptr;
-  }
-  HANDLE_TH_ERRORS
-  torchcast::start_dtype_watch(callback);
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* stop_dtype_watch(PyObject*, PyObject*) {
-  torchcast::stop_dtype_watch();
-  Py_RETURN_NONE;
-}
-
-PyObject* pause_dtype_watch(PyObject*, PyObject* flag) {
-  const int pause = PyObject_IsTrue(flag);
-  if (pause < 0) return nullptr;
-  return PyBool_FromLong(torchcast::pause_dtype_watch(pause != 0));
-}
-
-PyObject* install_tracker_kernels(PyObject*, PyObject*) {
-  torchcast::install_program_casts();
-  torchcast::install_thread_casts();
-  Py_RETURN_NONE;
-}
-
 PyMethodDef methods[] = {
-    {"install_tracker_kernels", install_tracker_kernels, METH_NOARGS,
-     "Registers the tracker's kernels on aten::_to_copy and aten::copy_ (csrc/program_casts.cpp, "
-     "csrc/thread_casts.cpp), once per process; importing torchcast registers none."},
-    {"in_program_cast", in_program_cast, METH_NOARGS,
-     "Whether this thread is inside a cast the program asked for under autocast "
-     "(csrc/program_casts.cpp)."},
-    {"set_cast_callback", set_cast_callback, METH_O,
-     "Sets callback(src, out, dtype), called at every cast in threads whose casts no track's "
-     "dispatch mode sees; None unsets it (csrc/thread_casts.cpp)."},
     {"exact_cast_stats", exact_cast_stats, METH_O,
      "The stats tensor cast_with_stats gives an exact cast of a floating tensor (numel and "
      "its NaN count), without casting it (csrc/cast_common.cpp)."},
@@ -389,35 +273,7 @@ PyMethodDef methods[] = {
      "Whether every element of a CPU tensor is finite (csrc/cpu/all_finite.cpp)."},
     {"all_finite_amax", all_finite_amax, METH_O,
      "A CPU tensor's largest |x|, read in one pass, or None when an element is NaN/inf "
-     "(csrc/cpu/all_finite.cpp)."},
-    {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,
-     "Checks this thread's CPU ops for NaN/inf made from finite inputs, calling "
-     "callback(op, overload, outputs, inputs, before, entered) at each (csrc/cpu/nonfinite_watch.cpp)."},
-    {"stop_nonfinite_watch", stop_nonfinite_watch, METH_NOARGS,
-     "Stops this thread's non-finite watch."},
-    {"account_for_nonfinite", account_for_nonfinite, METH_O,
-     "Has the non-finite watch take a tensor's NaN/inf as accounted for (a collective's "
-     "output), not as entering."},
-    {"take_propagated", take_propagated, METH_NOARGS,
-     "Op calls that made NaN/inf only from non-finite inputs, since the last call."},
-    {"pause_nonfinite_watch", pause_nonfinite_watch, METH_O,
-     "Pauses (True) or resumes the non-finite watch in this thread; returns whether it was "
-     "paused."},
-    {"set_thread_tracked", set_thread_tracked, METH_O,
-     "Marks this thread as covered by a track's dispatch mode (csrc/thread_casts.cpp)."},
-    {"set_thread_direct", set_thread_direct, METH_O,
-     "Marks this thread as a tracking one whose casts the cast callback reports "
-     "(csrc/thread_casts.cpp)."},
-    {"pause_thread_casts", pause_thread_casts, METH_O,
-     "Pauses (True) or resumes the reports of this thread's casts; returns whether they were "
-     "paused (csrc/thread_casts.cpp)."},
-    {"start_dtype_watch", start_dtype_watch, METH_O,
-     "Watches this thread's ops for float64 promotions, failures with mixed dtypes and casts "
-     "the cast kernels miss, calling callback(kind, a, b, c) (csrc/dtype_watch.cpp)."},
-    {"stop_dtype_watch", stop_dtype_watch, METH_NOARGS, "Stops this thread's dtype watch."},
-    {"pause_dtype_watch", pause_dtype_watch, METH_O,
-     "Pauses (True) or resumes the dtype watch in this thread; returns whether it was paused."},
-    {nullptr, nullptr, 0, nullptr},
+     "(csrc/cpu/all_finite.cpp)."},{nullptr, nullptr, 0, nullptr},
 };
 
 }  // namespace
@@ -425,13 +281,18 @@ PyMethodDef methods[] = {
 extern "C" {
 // Importing torchcast._C runs the static registrations of every file (on
 // torchcast's own ops only; the tracker's kernels on aten wait for
-// install_tracker_kernels); the module itself holds constants and the
-// tracker's switches (in_program_cast, set_cast_callback, set_thread_tracked).
+// install_tracker_kernels); the module itself holds constants, the ops'
+// entries without torch.ops' boxing, and the tracker's switches
+// (tracker_module.cpp).
 // with_cuda: whether the CUDA kernels were built (and so registered).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
+  if (PyModule_AddFunctions(module, torchcast::tracker_methods()) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
   const auto op = c10::Dispatcher::singleton().findSchema({"torchcast::cast_with_stats", ""});
   const bool with_cuda = op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CUDA);
   PyObject* fields = stat_fields();

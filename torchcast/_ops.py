@@ -1,6 +1,7 @@
 """The one module that touches torch.ops.torchcast: loads the compiled
 kernels (or, in a build without them, the ops defined from Python) and
-registers fake kernels, autograd and the fallback."""
+registers fake kernels, autograd and the fallback. (The tracker's C++
+switches in the same extension: tracker/native.py.)"""
 import warnings
 from typing import Optional
 
@@ -9,6 +10,7 @@ import torch
 from . import _loader
 
 _C = _loader.load_extension()
+extension = _C  # torchcast._C, None in a build without it
 if _C is None:
     from . import _python_ops  # noqa: F401  (defines the ops, with reference kernels)
 
@@ -19,33 +21,6 @@ from .stats import STAT_FIELDS
 _ops = torch.ops.torchcast
 WITH_EXTENSION = _C is not None
 WITH_CUDA = WITH_EXTENSION and bool(_C.with_cuda)
-# The tracker's kernels on aten::_to_copy (registered by the extension only: a
-# Python kernel there receives the wrapped Python numbers of expressions like
-# `t - 1` as ints, and cannot pass them on as the tensors they were).
-# install_tracker_kernels(): registers the two, once per process; the first
-# track() calls it, so that importing torchcast changes no aten dispatch.
-install_tracker_kernels = _C.install_tracker_kernels if WITH_EXTENSION else (lambda: None)
-# in_program_cast(): whether this thread is inside a cast the program asked
-# for while autocast is on (one that passed aten::_to_copy's autocast keys,
-# which autocast's own casts bypass): csrc/program_casts.cpp; always False
-# without the extension.
-in_program_cast = _C.in_program_cast if WITH_EXTENSION else (lambda: False)
-# set_cast_callback(callback or None): callback(src, out, dtype) is called at
-# every cast in a thread whose casts no track's dispatch mode sees
-# (set_thread_tracked; set_thread_direct: a tracking thread on the direct
-# route): csrc/thread_casts.cpp. None without the extension.
-set_cast_callback = _C.set_cast_callback if WITH_EXTENSION else None
-set_thread_tracked = _C.set_thread_tracked if WITH_EXTENSION else (lambda tracked: None)
-set_thread_direct = _C.set_thread_direct if WITH_EXTENSION else (lambda direct: None)
-# start_dtype_watch(callback), stop_dtype_watch(), pause_dtype_watch(paused):
-# csrc/dtype_watch.cpp, the direct route of track(all_casts=True) (None without
-# the extension: the dispatch mode serves every track then).
-start_dtype_watch = _C.start_dtype_watch if WITH_EXTENSION else None
-stop_dtype_watch = _C.stop_dtype_watch if WITH_EXTENSION else None
-pause_dtype_watch = _C.pause_dtype_watch if WITH_EXTENSION else (lambda paused: False)
-# pause_thread_casts(paused) -> whether they were: this thread's casts are not
-# reported while paused (csrc/thread_casts.cpp).
-pause_thread_casts = _C.pause_thread_casts if WITH_EXTENSION else (lambda paused: False)
 # plain_tensor(x): whether x is a dense strided torch.Tensor or nn.Parameter
 # outside every torch.func transform, read in C++ (csrc/ops.cpp): the common
 # case of _inputs.check_input. None without the extension.
@@ -86,16 +61,6 @@ def _torch_all_finite_amax(t: torch.Tensor) -> Optional[float]:
 # all_finite_amax(t): a CPU tensor's largest |x| (0.0 when empty), or None when
 # an element is NaN/inf; one read in C++ (csrc/cpu/all_finite.cpp).
 all_finite_amax = _C.all_finite_amax if WITH_EXTENSION else _torch_all_finite_amax
-# The C++ per-op check of track(nonfinite=...) (csrc/cpu/nonfinite_watch.cpp):
-# start_nonfinite_watch(callback, skip), stop_nonfinite_watch(),
-# take_propagated(), account_for_nonfinite(tensor), pause_nonfinite_watch(paused)
-# -> whether it was paused.
-# None without the extension.
-start_nonfinite_watch = _C.start_nonfinite_watch if WITH_EXTENSION else None
-stop_nonfinite_watch = _C.stop_nonfinite_watch if WITH_EXTENSION else None
-take_propagated = _C.take_propagated if WITH_EXTENSION else (lambda: 0)
-account_for_nonfinite = _C.account_for_nonfinite if WITH_EXTENSION else (lambda tensor: None)
-pause_nonfinite_watch = _C.pause_nonfinite_watch if WITH_EXTENSION else (lambda paused: False)
 
 
 def exact_cast_stats(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +136,7 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
         # torch.func refuses the op's C++ autograd Function (csrc/autograd.cpp)
         # and the fallback's old-style one: under its transforms, a Python one.
         if out is None and _functorch_active():
-            return _FunctorchCast.apply(x, dtype, scale, saturate)
+            return _DifferentiableCast.apply(x, dtype, scale, saturate)
         # First the C++ entry (out= too): it calls the op through the
         # dispatcher as torch.ops does, without torch.ops' boxing of the
         # arguments (about 2 µs, as much as a small cast). It declines (None)
@@ -190,9 +155,7 @@ def _cast(x, dtype, out, saturate, scale):
         # 4: past this function and cast_with_stats, at the caller of the op wrapper.
         _warn_fallback(x.device, stacklevel=4)
         if x.requires_grad and torch.is_grad_enabled() and out is None:
-            y, stats = cast_reference.cast_with_stats(x.detach(), dtype, saturate=saturate,
-                                                      scale=scale)
-            return _FallbackCast.apply(x, y, scale), stats
+            return _DifferentiableCast.apply(x, dtype, scale, saturate)
         return cast_reference.cast_with_stats(x, dtype, out, saturate, scale)
     if out is not None:
         return out, _ops.cast_with_stats.out(x, dtype, scale, saturate=saturate, out=out)
@@ -208,19 +171,21 @@ def _cast(x, dtype, out, saturate, scale):
 _functorch_active = torch._C._are_functorch_transforms_active
 
 
-class _FunctorchCast(torch.autograd.Function):
-    """cast_with_stats under torch.func transforms, with the derivative of
-    csrc/autograd.cpp: the identity, times scale for a scaled cast, in x's
-    dtype; none for the stats and the scale. vmap: torch's generated rule,
-    which runs the op once per example, as vmap does for the op itself (the
-    stats are per example)."""
+class _DifferentiableCast(torch.autograd.Function):
+    """cast_with_stats with the derivative of csrc/autograd.cpp (the identity,
+    times scale for a scaled cast, in x's dtype; none for the stats and the
+    scale: cast_reference.cast_grad), where that autograd kernel is not the
+    one that runs: under torch.func transforms, which refuse it, and for the
+    pure-PyTorch fallback. vmap: torch's generated rule, which runs the op
+    once per example, as vmap does for the op itself (the stats are per
+    example)."""
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x, dtype, scale, saturate):
         # Autograd is off here: the op's C++ autograd kernel passes straight
-        # to the kernels.
+        # to the kernels, and the fallback computes y without a graph.
         return _cast(x, dtype, None, saturate, scale)
 
     @staticmethod
@@ -242,22 +207,6 @@ class _FunctorchCast(torch.autograd.Function):
         scale, = ctx.saved_tensors
         y_t = x_t if scale is None else x_t * scale.reshape(()).to(ctx.src_dtype)
         return y_t.to(ctx.dtype), None
-
-
-class _FallbackCast(torch.autograd.Function):
-    """Attaches the cast's derivative (the identity, times scale for a scaled
-    cast) to a y computed without autograd."""
-
-    @staticmethod
-    def forward(ctx, x, y, scale):
-        ctx.src_dtype = x.dtype
-        ctx.save_for_backward(scale)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        scale, = ctx.saved_tensors
-        return cast_reference.cast_grad(grad_y, ctx.src_dtype, scale), None, None
 
 
 # ---------------------------------------------------------------------------

@@ -12,12 +12,12 @@ packed in uint8, two elements a byte, the first in the low nibble.
 """
 import dataclasses
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["BLOCK_FORMATS", "BlockFormat", "FORMATS", "FLOAT_RANK", "Format", "block_format",
-           "format_of"]
+__all__ = ["BLOCK_FORMATS", "BlockFormat", "FLOAT8", "FORMATS", "FLOAT_RANK", "Format",
+           "NARROW_TARGETS", "block_format", "format_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,16 @@ FORMATS: Dict[str, Format] = _table(
 FLOAT_RANK: Dict[torch.dtype, int] = {f.dtype: f.rank for f in FORMATS.values() if f.rank}
 """The floating dtypes cast_with_stats measures, by width: a cast to a higher
 rank is exact (csrc/cast_common.cpp's float_rank states the same)."""
+
+NARROW_TARGETS: Tuple[torch.dtype, ...] = tuple(
+    dtype for dtype, rank in FLOAT_RANK.items() if rank < FLOAT_RANK[torch.float32])
+"""The measured dtypes narrower than float32, widest first: float16,
+bfloat16, float8_e4m3fn, float8_e5m2 (headroom's formats, the health
+page's windows, the casts that double-round from float64)."""
+
+FLOAT8: Tuple[torch.dtype, ...] = tuple(
+    dtype for dtype, rank in FLOAT_RANK.items() if rank == FORMATS["float8_e4m3fn"].rank)
+"""The float8 dtypes the casts measure (which cannot be cast into each other)."""
 
 
 def format_of(dtype: torch.dtype) -> Format:

@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from ._reference.health import format_exponents
+from .formats import NARROW_TARGETS
 from .scaling import scale_dtype_for, scale_for_amax
 
-FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+FORMATS = NARROW_TARGETS
 # health.py's histogram columns: 0: f == 0; 1 + min(L, 11) for the number L
 # of leading one bits of f; 13: f = 0.1101b... above 0.1101b (L = 2).
 _COLUMN_L = np.array([0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 2])

@@ -11,6 +11,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from .formats import format_of
 from .stats import CastStats
 from .violations import STRICT, Violations
 
@@ -179,8 +180,8 @@ def violation_message(x: torch.Tensor, y: torch.Tensor, s: CastStats, rtol: Opti
     if integer:
         fields = (("nan", "NaN"), ("overflow", "out of range or infinite"))
     else:
-        # float8_e4m3fn has no inf: its overflow is NaN.
-        to = "NaN" if s.dtype == torch.float8_e4m3fn else "inf"
+        # float8_e4m3fn has no inf: its overflow is NaN (the formats table says).
+        to = "NaN" if s.dtype is not None and format_of(s.dtype).overflow == "nan" else "inf"
         largest = f"{torch.finfo(s.dtype).max:g}" if s.dtype is not None else "largest"
         infs = f" ({min(s.inf, s.saturated)} of them ±inf)" if s.inf else ""
         fields = (("nan", "were NaN (passed through)"), ("overflow", f"overflowed to {to}"),

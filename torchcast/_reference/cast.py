@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..formats import FLOAT_RANK, format_of
+from ..formats import FLOAT8, FLOAT_RANK, format_of
 from ..stats import STAT_FIELDS
 from . import order
 from .compensated import Compensated, PlainDouble
@@ -138,7 +138,7 @@ def check_out(x, dtype, out):
 def exact_cast_stats(x):
     """The stats of an exact cast of x: numel, the NaN and +-inf it carries,
     and amax."""
-    xw = x.float() if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
+    xw = x.float() if x.dtype in FLOAT8 else x
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     values = dict.fromkeys(STAT_FIELDS, zero)
     values.update(numel=torch.full_like(zero, x.numel()), nan=torch.isnan(xw).sum(),

@@ -3,6 +3,8 @@ writes them: the y of cast_with_stats and the result of a float16/bfloat16
 kahan_sum / kahan_mean."""
 import torch
 
+from ..formats import FLOAT8, format_of
+
 
 def round_to_odd_float32(x):
     """float64 -> float32 rounded to odd (see csrc/numerics.h)."""
@@ -46,15 +48,6 @@ def widen_exact(x):
     return torch.where(torch.isnan(f), bits.view(torch.float32), f)
 
 
-# The first float32 magnitude that rounds past each format's largest finite
-# value (for float8_e4m3fn, just above 464: 464 itself ties to even, 448).
-_FIRST_OVERFLOW = {
-    torch.float16: 65520.0,
-    torch.bfloat16: torch.tensor(0x7F7F8000, dtype=torch.int32).view(torch.float32).item(),
-    torch.float8_e4m3fn: torch.tensor(0x43E80001, dtype=torch.int32).view(torch.float32).item(),
-    torch.float8_e5m2: 61440.0,
-}
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _signed_largest(negative, dtype):
@@ -67,7 +60,7 @@ def _narrow(f, dtype, saturate):
     numerics.h's bits: out-of-range values (+-inf included) are +-largest
     with saturate, else the format's overflow value (inf; NaN for e4m3fn,
     whose NaN is 0x7f with the sign)."""
-    beyond = f.abs() >= _FIRST_OVERFLOW[dtype]  # False for NaN
+    beyond = format_of(dtype).rounds_past_max(f.abs())  # False for NaN
     if dtype in FLOAT8:
         # torch saturates e4m3fn; its other roundings are numerics.h's. Both
         # formats' NaN is 0x7f with f's sign, and so is e4m3fn's overflow.

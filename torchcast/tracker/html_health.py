@@ -21,11 +21,12 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._reference.health import format_exponents
+from ..formats import NARROW_TARGETS
 from ..stats import dtype_from_name
 from .health_rows import headroom_view
 from .html_parts import as_float, counted, esc, html_table, module_label, number, short_dtype
 
-WINDOW_FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+WINDOW_FORMATS = NARROW_TARGETS
 # Headroom rows shown before the table folds the rest below it (counted): a
 # GPT-2's hundreds of them must not bury what leads.
 HEADROOM_ROWS = 25

@@ -16,7 +16,7 @@ import torch
 
 from .. import _ops
 from .._inputs import dense_strided
-from ..formats import FLOAT_RANK
+from ..formats import FLOAT_RANK, NARROW_TARGETS
 from ..stats import STAT_FIELDS, PendingStats, merge_stats_tensors, stats_tensor
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -27,8 +27,7 @@ _NAN = STAT_FIELDS.index("nan")
 _RANK = FLOAT_RANK
 _REAL_OF = {torch.complex128: torch.float64, torch.complex64: torch.float32,
             torch.complex32: torch.float16}
-_DOUBLE_ROUNDED = frozenset((torch.float64, d) for d in
-                            (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2))
+_DOUBLE_ROUNDED = frozenset((torch.float64, d) for d in NARROW_TARGETS)
 
 
 def _double_rounded_stats(x, dtype, t):

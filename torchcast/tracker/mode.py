@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _ops
+from . import native
 from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..stats import PendingStats
 from .diagnose import mismatch_note, note_dtype_mismatch, op_name, promoted_operands
@@ -341,14 +342,14 @@ def pop_mode(recorder: Optional[CastRecorder] = None,
 def _route(state: _ThreadState) -> None:
     """Serves the thread's recorders and watches by the route they need:
     the mode for Python watches (and without the extension), else direct."""
-    use_mode = bool(state.watches) or (bool(state.recorders) and _ops.start_dtype_watch is None)
+    use_mode = bool(state.watches) or (bool(state.recorders) and native.start_dtype_watch is None)
     direct = bool(state.recorders) and not use_mode
     if direct and not state.direct:
-        _ops.start_dtype_watch(_dtype_event)
+        native.start_dtype_watch(_dtype_event)
     elif state.direct and not direct:
-        _ops.stop_dtype_watch()
+        native.stop_dtype_watch()
     state.direct = direct
-    _ops.set_thread_direct(direct)
+    native.set_thread_direct(direct)
     if use_mode and state.mode is None:
         state.mode = _CastMode()
         state.mode.recorders, state.mode.watches = state.recorders, state.watches
@@ -356,7 +357,7 @@ def _route(state: _ThreadState) -> None:
     elif not use_mode and state.mode is not None:
         mode, state.mode = state.mode, None
         mode.__exit__(None, None, None)
-    _ops.set_thread_tracked(use_mode and bool(state.recorders))
+    native.set_thread_tracked(use_mode and bool(state.recorders))
 
 
 def _dtype_event(kind: str, a, b, c) -> None:
@@ -462,7 +463,7 @@ def install(all_casts: bool) -> None:
     """Installs what a track() needs (module hooks; with ``all_casts`` the
     autocast watch), shared by all active tracks; the first one in the
     process also registers the tracker's kernels on aten::_to_copy."""
-    _ops.install_tracker_kernels()
+    native.install_tracker_kernels()
     _installed.acquire(all_casts)
 
 

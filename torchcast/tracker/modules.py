@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .. import _ops
+from . import native
 
 _local = threading.local()
 
@@ -416,4 +416,4 @@ def autocast_on(device_type: str) -> bool:
 def in_program_cast() -> bool:
     """Whether the cast being dispatched is one the program asked for (it
     passed the autocast keys), rather than one autocast inserted."""
-    return _ops.in_program_cast()
+    return native.in_program_cast()

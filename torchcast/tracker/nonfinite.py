@@ -48,6 +48,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
+from . import native
 from .diagnose import op_name
 from .entries import (KnownNonfinite, describe_entry, nonfinite_number,
                       nonfinite_scalar_tensor)
@@ -204,7 +205,7 @@ class NonFiniteWatch:
         self.lock = threading.Lock()  # another thread may have held it at the fork
         self.origins, self.propagated, self.pending = {}, 0, []
         self.steps.forked()
-        _ops.take_propagated()  # the C++ watch's count not yet taken is the parent's
+        native.take_propagated()  # the C++ watch's count not yet taken is the parent's
         self.worker_id, self.on_origin = worker_id, on_origin
 
     # -- per op -------------------------------------------------------------------
@@ -355,7 +356,7 @@ class NonFiniteWatch:
         plain = [t for t in tensors if isinstance(t, torch.Tensor) and floating_data(t)]
         self.accounted.mark(plain)
         for t in plain:
-            _ops.account_for_nonfinite(t)
+            native.account_for_nonfinite(t)
 
     # -- an origin ----------------------------------------------------------------
     def _found(self, func, args, kwargs, outs, frame, where, before=None, entered=None):
@@ -477,7 +478,7 @@ _cpp = threading.local()  # .watches: this thread's NonFiniteWatches the C++ wat
 def checked_in_cpp(action: str) -> bool:
     """Whether a track(nonfinite=action) entered now is served by the C++ watch
     ("raise" raises from the step's checks, outside any op: it is)."""
-    return (_ops.start_nonfinite_watch is not None and action != "raise_at_op"
+    return (native.start_nonfinite_watch is not None and action != "raise_at_op"
             and not torch.cuda.is_initialized())
 
 
@@ -489,8 +490,8 @@ def start_cpp(watch: "NonFiniteWatch") -> None:
         watches.append(watch)
         return
     _cpp.watches = [watch]
-    _ops.take_propagated()
-    _ops.start_nonfinite_watch(_on_origin, sorted(f"aten::{name}" for name in _UNCHECKED))
+    native.take_propagated()
+    native.start_nonfinite_watch(_on_origin, sorted(f"aten::{name}" for name in _UNCHECKED))
 
 
 def stop_cpp(watch: "NonFiniteWatch") -> None:
@@ -498,11 +499,11 @@ def stop_cpp(watch: "NonFiniteWatch") -> None:
     _take_propagated()
     _cpp.watches.remove(watch)
     if not _cpp.watches:
-        _ops.stop_nonfinite_watch()
+        native.stop_nonfinite_watch()
 
 
 def _take_propagated():
-    n = _ops.take_propagated()
+    n = native.take_propagated()
     for watch in _cpp.watches:
         with watch.lock:
             watch.propagated += n

@@ -1,7 +1,7 @@
 """The tracker's own work, which nothing of the tracker watches."""
 import threading
 
-from .. import _ops
+from . import native
 
 
 class unwatched:
@@ -17,15 +17,15 @@ class unwatched:
     def __enter__(self):
         self.saved = unwatched.active()
         unwatched._local.on = True
-        self.saved_nonfinite = _ops.pause_nonfinite_watch(True)
-        self.saved_dtypes = _ops.pause_dtype_watch(True)
-        self.saved_casts = _ops.pause_thread_casts(True)
+        self.saved_nonfinite = native.pause_nonfinite_watch(True)
+        self.saved_dtypes = native.pause_dtype_watch(True)
+        self.saved_casts = native.pause_thread_casts(True)
 
     def __exit__(self, *exc):
         unwatched._local.on = self.saved
-        _ops.pause_nonfinite_watch(self.saved_nonfinite)
-        _ops.pause_dtype_watch(self.saved_dtypes)
-        _ops.pause_thread_casts(self.saved_casts)
+        native.pause_nonfinite_watch(self.saved_nonfinite)
+        native.pause_dtype_watch(self.saved_dtypes)
+        native.pause_thread_casts(self.saved_casts)
 
     @staticmethod
     def active() -> bool:

@@ -36,7 +36,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from .. import _ops
+from . import native
 from .._inputs import PLAIN_TENSOR_TYPES
 from .mode import CastRecorder, direct_recorders, locate_cast, report_cast
 
@@ -74,7 +74,7 @@ def warn_if_threads_unseen() -> None:
     """Says once, in a build without the compiled extension, that other
     threads' casts are not recorded."""
     global _warned_threads
-    if _ops.set_cast_callback is None and not _warned_threads:
+    if native.set_cast_callback is None and not _warned_threads:
         _warned_threads = True
         warnings.warn("torchcast was installed without its compiled extension: "
                       "track(all_casts=True) records the casts of the thread that entered "
@@ -86,22 +86,22 @@ def warn_if_threads_unseen() -> None:
 def watch_other_threads(recorder: CastRecorder) -> None:
     """Reports the casts of every thread without a track's dispatch mode to
     ``recorder`` until ``unwatch_other_threads(recorder)``."""
-    if _ops.set_cast_callback is None:
+    if native.set_cast_callback is None:
         return
     with _lock:
         _recorders.append(recorder)
         if len(_recorders) == 1:
-            _ops.set_cast_callback(_kernel_cast)
+            native.set_cast_callback(_kernel_cast)
 
 
 def unwatch_other_threads(recorder: CastRecorder) -> None:
     """Undoes ``watch_other_threads(recorder)``."""
-    if _ops.set_cast_callback is None:
+    if native.set_cast_callback is None:
         return
     with _lock:
         _recorders.remove(recorder)
         if not _recorders:
-            _ops.set_cast_callback(None)
+            native.set_cast_callback(None)
 
 
 class WorkerSpool:
