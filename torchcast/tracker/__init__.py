@@ -73,29 +73,31 @@ class track:
             what breaks training. The other losses (subnormal results, NaN
             passing through a cast) are listed as notes.
         nonfinite: None (default), "record", "warn", "raise" or
-            "raise_reached": check every aten op the block runs in this
+            "raise_at_op": check every aten op the block runs in this
             thread, forward and backward, casts included, and report each
-            op that makes NaN or ±inf from finite inputs (an origin:
-            ``report.nonfinite`` in time order, ``report.first_nonfinite``),
-            with its step and whether its NaN/inf reached the block's
-            outputs, the loss or the gradients the step leaves, or were
-            absorbed (docs/numerics.md). "warn" warns once per place,
-            NonFiniteWarning. "raise" raises ``torchcast.NonFiniteError`` at
-            the first origin, before the program uses its result, so before
-            anyone can know whether it matters: kept as it was, for
-            stopping at the very first NaN/inf. "raise_reached" raises at
-            the first check that sees an origin's NaN/inf reach (a top-level
-            module's output, the tensor backward() runs from, the gradients
-            an optimizer reads or the parameters it wrote, the block's exit),
-            naming the origin and where it reached: the one to choose for a
-            training loop, where a harmless overflow (one a tanh absorbs)
-            must not stop the run. Ops whose inputs already held NaN/inf
-            are counted (``report.propagated``). Each op's output is read
-            once (in C++ for all but "raise" in a program without CUDA); on
-            a GPU the flags stay on the device and are read every 256 ops,
-            at each top-level call, backward and optimizer step, and at exit
-            ("raise": after every op). Ops inside torch.compile'd graphs are
-            not seen.
+            op that makes NaN or ±inf from finite inputs (an origin), and
+            each op where NaN/inf that no watched op made enter (an entry:
+            the data, a worker's batch, a checkpoint, a literal;
+            ``origin.entered`` names the argument): ``report.nonfinite`` in
+            time order, ``report.first_nonfinite``, each with its step and
+            whether its NaN/inf reached the block's outputs, the loss or the
+            gradients the step leaves, or were absorbed (docs/numerics.md).
+            "warn" warns once per place, NonFiniteWarning. "raise" raises
+            ``torchcast.NonFiniteError`` at the first check that sees an
+            origin's NaN/inf reach (a top-level module's output, the tensor
+            backward() runs from, the gradients an optimizer reads before it
+            writes, the block's exit), naming the origin and where it
+            reached: a harmless overflow (one a tanh absorbs) or an
+            intentional -inf mask never stops the run. "raise_at_op" raises
+            at the first origin or entry, before the program uses its
+            result, so before anyone can know whether it matters. Ops whose
+            inputs already held NaN/inf a watched op made are counted
+            (``report.propagated``). Each op's output is read once (in C++
+            for all but "raise_at_op" in a program without CUDA); on a GPU
+            the flags stay on the device and are read every 256 ops, at each
+            top-level call, backward and optimizer step, and at exit
+            ("raise_at_op": after every op). Ops inside torch.compile'd
+            graphs are not seen; the report names those regions.
         health: measure, per module, its forward outputs and the gradients
             flowing into it in backward (``torchcast.tensor_health``, merged
             per module, phase and dtype, kept on the device): ``report.health``
