@@ -69,6 +69,23 @@ PyObject* account_for_nonfinite(PyObject*, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* defer_writes(PyObject*, PyObject* flag) {
+  const int defer = PyObject_IsTrue(flag);
+  if (defer < 0) return nullptr;
+  return PyLong_FromLongLong(torchcast::defer_writes(defer != 0));
+}
+
+PyObject* nonfinite_seen(PyObject*, PyObject*) {
+  return PyBool_FromLong(torchcast::nonfinite_seen());
+}
+
+PyObject* check_deferred(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  torchcast::check_deferred();
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* pause_nonfinite_watch(PyObject*, PyObject* flag) {
   const int pause = PyObject_IsTrue(flag);
   if (pause < 0) return nullptr;
@@ -135,7 +152,8 @@ PyMethodDef methods[] = {
      "dispatch mode sees; None unsets it (csrc/thread_casts.cpp)."},
     {"start_nonfinite_watch", start_nonfinite_watch, METH_VARARGS,
      "Checks this thread's CPU ops for NaN/inf made from finite inputs, calling "
-     "callback(op, overload, outputs, inputs, before, entered) at each (csrc/cpu/nonfinite_watch.cpp)."},
+     "callback(op, overload, outputs, inputs, before, entered, batch) at each "
+     "(csrc/cpu/nonfinite_watch.cpp)."},
     {"stop_nonfinite_watch", stop_nonfinite_watch, METH_NOARGS,
      "Stops this thread's non-finite watch."},
     {"account_for_nonfinite", account_for_nonfinite, METH_O,
@@ -143,6 +161,13 @@ PyMethodDef methods[] = {
      "output), not as entering."},
     {"take_propagated", take_propagated, METH_NOARGS,
      "Op calls that made NaN/inf only from non-finite inputs, since the last call."},
+    {"defer_writes", defer_writes, METH_O,
+     "Defers (True) the check of what this thread's ops write, as an optimizer's step "
+     "runs, to where it is next read; returns the batch number (-1 when stopping)."},
+    {"nonfinite_seen", nonfinite_seen, METH_NOARGS,
+     "Whether a watched op has written NaN/inf since the watch started."},
+    {"check_deferred", check_deferred, METH_NOARGS,
+     "Reads every deferred write not checked yet, reporting its origins."},
     {"pause_nonfinite_watch", pause_nonfinite_watch, METH_O,
      "Pauses (True) or resumes the non-finite watch in this thread; returns whether it was "
      "paused."},

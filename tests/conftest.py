@@ -59,7 +59,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(params=["cpp", "mode"])
 def nonfinite_engine(request, monkeypatch):
-    """Which check serves track(nonfinite=...) but "raise": the C++ per-op
+    """Which check serves track(nonfinite=...) but "raise_at_op": the C++ per-op
     callback (CPU programs, with the extension) or the dispatch mode (what
     "raise" and CUDA programs take), forced here on the CPU."""
     if request.param == "cpp" and not _ops.WITH_EXTENSION:

@@ -276,3 +276,35 @@ def test_an_exception_leaves_the_step_undecided(nonfinite_engine):
     [origin] = report.nonfinite
     assert origin.reached is None and origin.step is None  # no module ran: no steps
     assert "Absorbed" not in origin.describe() and "reached" not in origin.describe()
+
+
+def _zero_grad_adamw(fused):
+    """A fused or for-each AdamW with eps=0 whose third step meets a zero
+    gradient on a weight it never moved: 0/0 (its second moment 0, its
+    square root 0) makes NaN in the update it writes."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, eps=0.0, fused=fused,
+                            foreach=None if fused else False)
+    with torchcast.track(nonfinite="record") as report:
+        for step in range(1, 5):
+            x = torch.ones(2, 4)
+            x[:, 3] = 0.0  # weight 3's gradient is 0: 0/0 in the update
+            model(x).sum().backward()
+            _mark("opt step"); opt.step()  # noqa: E702
+            opt.zero_grad()
+    return report
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_optimizer_step_s_origin_is_named_alike_read_later_or_at_once(fused, monkeypatch):
+    # The C++ watch reads a healthy optimizer step's writes where they are
+    # next read (nonfinite.py, optimizer_step); the dispatch mode reads each
+    # op as it returns. Both name the same op, line and step.
+    deferred = _zero_grad_adamw(fused)
+    monkeypatch.setattr(nonfinite, "checked_in_cpp", lambda action: False)
+    at_once = _zero_grad_adamw(fused)
+    named = [[(o.op, o.module, o.phase, o.file, o.line, o.step, o.step_kind, o.reached)
+              for o in report.nonfinite[:1]] for report in (deferred, at_once)]
+    assert named[0] == named[1] and named[0][0][4] == LINE["opt step"]
+    assert named[0][0][5] == 1 and named[0][0][7]

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -42,6 +43,7 @@ struct Origin {
   std::vector<c10::IValue> outputs, inputs;
   std::vector<c10::IValue> before;  // per input: what before_write read, else None
   std::vector<int64_t> entered;     // an entry: the inputs that brought NaN/inf in
+  int64_t batch = -1;               // a deferred write's: the optimizer step it ran in
 };
 
 // A set of storages. A weak reference keeps a
@@ -96,6 +98,100 @@ class KnownNonfinite {
 // what an optimizer's step wrote), read only where an op made NaN/inf.
 KnownNonfinite known, accounted;
 
+// The tensors an op wrote to that were read finite after it, at the version
+// they had then. An in-place op about to write one again (an optimizer's
+// step, on the parameters and states of the step before) reads it before
+// only if something wrote it since: the read would find it finite. Weak
+// references keep the TensorImpls' memory, so that an address is not
+// reused while it is a key.
+class FiniteAt {
+ public:
+  bool holds(const at::Tensor& t) {
+    if (!t.defined()) return false;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = seen_.find(t.unsafeGetTensorImpl());
+    return found != seen_.end() && !found->second.first.expired() &&
+           found->second.second == t._version();
+  }
+
+  void note(const at::Tensor& t) {
+    if (!t.defined()) return;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, added] = seen_.try_emplace(
+        t.unsafeGetTensorImpl(), c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+        t._version());
+    if (!added) {
+      it->second = {c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), t._version()};
+    }
+    if (seen_.size() >= 2 * swept_) {
+      for (auto e = seen_.begin(); e != seen_.end();) {
+        e = e->second.first.expired() ? seen_.erase(e) : std::next(e);
+      }
+      swept_ = std::max<size_t>(1024, seen_.size());
+    }
+  }
+
+  void clear() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    seen_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*,
+                     std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, uint32_t>>
+      seen_;
+  size_t swept_ = 1024;
+};
+
+FiniteAt finite_at;
+
+// What the ops an optimizer's step ran wrote, not read as they wrote it: the
+// step's writes (parameters, states: most of a step's memory traffic) are
+// checked where they are next read by an op whose output holds NaN/inf, or
+// when the watch ends (check_deferred). Each entry: the tensor (weakly), its
+// version after the write, the op that wrote it and the step (batch).
+// Keyed by storage: a later op may read a view of what was written (the
+// transposed weight of a Linear), which shares its version counter.
+struct DeferredWrite {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+  uint32_t version;
+  const char* name;
+  const char* overload;
+  int64_t batch;
+};
+std::mutex deferred_mutex;
+std::unordered_map<const c10::StorageImpl*, DeferredWrite> deferred;
+std::atomic<int64_t> batches{0};
+thread_local int64_t deferring = -1;  // the batch of the optimizer step running, -1: none
+
+void defer_write(const at::Tensor& t, const char* name, const char* overload) {
+  if (!t.defined() || !t.has_storage()) return;
+  const std::lock_guard<std::mutex> lock(deferred_mutex);
+  DeferredWrite write{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                      static_cast<uint32_t>(t._version()), name, overload, deferring};
+  const auto [it, added] = deferred.try_emplace(t.storage().unsafeGetStorageImpl(), write);
+  if (!added) it->second = std::move(write);
+}
+
+// The deferred write of t, if t is as that write left it; forgotten either way.
+std::optional<DeferredWrite> take_deferred(const at::Tensor& t) {
+  if (!t.has_storage()) return std::nullopt;
+  const std::lock_guard<std::mutex> lock(deferred_mutex);
+  const auto found = deferred.find(t.storage().unsafeGetStorageImpl());
+  if (found == deferred.end()) return std::nullopt;
+  DeferredWrite write = found->second;
+  deferred.erase(found);
+  if (write.impl.expired() || write.version != static_cast<uint32_t>(t._version())) {
+    return std::nullopt;
+  }
+  return write;
+}
+
+// What before_write gives a written input that was finite when last read
+// and not written since: finite, its amax not read again.
+constexpr double kFiniteUnread = -1.0;
+
 struct OpCall : at::ObserverContext {
   OpCall* parent = nullptr;
   bool inputs_bad = false;        // a float argument, or (written inputs) a tensor, was non-finite
@@ -107,6 +203,7 @@ struct OpCall : at::ObserverContext {
   bool recording_paused = false;  // RecordFunction is off in this thread until it ends
   bool passes_mark = false;       // skipped, but its outputs hold known NaN/inf (an input's, or
                                   // a non-finite number's)
+  bool deferred = false;          // writes in an optimizer's step: noted, not read
   std::vector<at::Tensor> inputs;
   std::vector<c10::IValue> input_values;
   std::vector<c10::IValue> before;  // per input the op writes: its amax before the op
@@ -147,7 +244,10 @@ struct Paused {
 c10::IValue before_write(const c10::IValue& v, bool& bad) {
   const auto amax_of = [&bad](const at::Tensor& t) {
     double amax = std::nan("");
-    if (floating(t)) bad |= !all_finite_amax(t, amax);
+    if (floating(t)) {
+      if (finite_at.holds(t)) return kFiniteUnread;
+      bad |= !all_finite_amax(t, amax);
+    }
     return amax;
   };
   if (v.isTensor()) return amax_of(v.toTensor());
@@ -188,6 +288,8 @@ bool nonfinite_scalar_tensor(const c10::IValue& v) {
          !all_finite(v.toTensor());
 }
 
+void report_deferred(const DeferredWrite& write, const at::Tensor& t);
+
 // Where the NaN/inf an op received through one input came from.
 enum class Source {
   kNone,      // finite
@@ -215,7 +317,11 @@ Source source_of(const c10::IValue& v, const c10::IValue& before,
   bool entering = false, passed = false, as_returned = false;  // a tensor list: any of them
   each_tensor(v, [&](const at::Tensor& t) {
     if (!floating(t) || all_finite(t)) return;
-    if (wrapped_number(t) || known.contains(t) || accounted.contains(t)) {
+    if (const auto write = take_deferred(t)) {
+      report_deferred(*write, t);  // an optimizer step's op wrote them
+      known.mark(t);
+      passed = true;
+    } else if (wrapped_number(t) || known.contains(t) || accounted.contains(t)) {
       passed = true;
     } else if (std::find(returned.begin(), returned.end(), t.storage().unsafeGetStorageImpl()) !=
                returned.end()) {
@@ -261,6 +367,12 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     at::enableRecordFunction(false);
     call->recording_paused = true;
   }
+  if (!skip && deferring >= 0 && info.writes) {
+    // The step's writes: read where they are next read, or at the end.
+    call->deferred = true;
+    call->input_values.assign(fn.inputs().begin(), fn.inputs().end());
+    return call;
+  }
   if (skip) {
     call->skip = true;
     call->passes_mark = number;
@@ -296,7 +408,9 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     }
   }
   if (info.writes) {
-    for (const at::Tensor& t : call->inputs) call->inputs_bad |= !all_finite(t);
+    for (const at::Tensor& t : call->inputs) {
+      call->inputs_bad |= !finite_at.holds(t) && !all_finite(t);
+    }
     call->inputs_read = true;
   }
   call->input_values.assign(fn.inputs().begin(), fn.inputs().end());
@@ -314,9 +428,11 @@ void report(const Origin& origin) {
     pybind11::object entered = pybind11::none();
     if (!origin.entered.empty()) entered = pybind11::cast(origin.entered);
     // (paused: the callback's own ops, a rerun in a wider dtype, are not the program's)
-    PyObject* result = PyObject_CallFunction(watch_callback, "ssOOOO", origin.name,
+    pybind11::object batch = pybind11::none();
+    if (origin.batch >= 0) batch = pybind11::int_(origin.batch);
+    PyObject* result = PyObject_CallFunction(watch_callback, "ssOOOOO", origin.name,
                                              origin.overload, outputs.ptr(), inputs.ptr(),
-                                             before.ptr(), entered.ptr());
+                                             before.ptr(), entered.ptr(), batch.ptr());
     if (result == nullptr) {
       PyErr_WriteUnraisable(watch_callback);
     } else {
@@ -326,6 +442,13 @@ void report(const Origin& origin) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     PyErr_WriteUnraisable(watch_callback);
   }
+}
+
+// An op of an optimizer's step found to have written NaN/inf into t (an
+// origin, reported as the step's: its inputs were not read).
+void report_deferred(const DeferredWrite& write, const at::Tensor& t) {
+  Origin origin{write.name, write.overload, {c10::IValue(t)}, {}, {}, {}, write.batch};
+  report(origin);
 }
 
 // The origin of a chain of calls is the outermost op that made NaN/inf from
@@ -340,6 +463,21 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (call == nullptr) return;
   if (call->recording_paused) at::enableRecordFunction(true);
   current = call->parent;
+  if (call->deferred) {
+    const OpInfo& info = info_of(fn);
+    const auto& values = call->input_values;  // (the end callback has no inputs)
+    for (size_t i = 0; i < values.size(); ++i) {
+      const bool out = i < info.out_args.size() && info.out_args[i];
+      const bool written = i < info.written.size() && info.written[i];
+      if (out || written) each_tensor(values[i], [&fn](const at::Tensor& t) {
+        if (floating(t)) defer_write(t, fn.name(), fn.overload_name());
+      });
+    }
+    for (const c10::IValue& v : fn.outputs()) each_tensor(v, [&fn](const at::Tensor& t) {
+      if (floating(t)) defer_write(t, fn.name(), fn.overload_name());
+    });
+    return;
+  }
   if (call->skip) {
     if (call->passes_mark) {
       for (const c10::IValue& v : fn.outputs()) each_tensor(v, [](const at::Tensor& t) {
@@ -371,6 +509,14 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
       check(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList().vec()) check(t);
+    }
+  }
+  if (!out_bad && !call->before.empty()) {
+    // Read finite just now, as the op left them: what it wrote to.
+    for (size_t i = 0; i < call->before.size(); ++i) {
+      if (!call->before[i].isNone()) each_tensor(call->input_values[i], [](const at::Tensor& t) {
+        if (floating(t)) finite_at.note(t);
+      });
     }
   }
   if (out_bad) {
@@ -446,6 +592,11 @@ void start_nonfinite_watch(PyObject* callback, const std::vector<std::string>& s
   propagated.store(0);
   known.clear();
   accounted.clear();
+  finite_at.clear();
+  {
+    const std::lock_guard<std::mutex> lock(deferred_mutex);
+    deferred.clear();
+  }
   handle = add_observer(at::RecordFunctionCallback(on_start, on_end)
                             .needsInputs(true)
                             .needsOutputs(true)
@@ -460,6 +611,31 @@ void stop_nonfinite_watch() {
 int64_t take_propagated() { return propagated.exchange(0); }
 
 void account_for_nonfinite(const at::Tensor& t) { accounted.mark(t); }
+
+bool nonfinite_seen() { return !known.empty(); }
+
+int64_t defer_writes(bool defer) {
+  deferring = defer ? batches.fetch_add(1) : -1;
+  return deferring;
+}
+
+void check_deferred() {
+  std::vector<DeferredWrite> writes;
+  {
+    const std::lock_guard<std::mutex> lock(deferred_mutex);
+    for (auto& entry : deferred) writes.push_back(std::move(entry.second));
+    deferred.clear();
+  }
+  const Paused pause;
+  for (const DeferredWrite& write : writes) {
+    auto impl = write.impl.lock();
+    if (!impl) continue;
+    const at::Tensor t(std::move(impl));
+    if (static_cast<uint32_t>(t._version()) != write.version || all_finite(t)) continue;
+    report_deferred(write, t);
+    known.mark(t);
+  }
+}
 
 bool pause_nonfinite_watch(bool pause) {
   const bool previous = paused;

@@ -31,13 +31,13 @@ from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _ops
 from . import native
 from .._inputs import PLAIN_TENSOR_TYPES, dense_strided
 from ..stats import PendingStats
 from .diagnose import mismatch_note, note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
-from .nonfinite import NonFiniteWatch, inputs_nonfinite, written_before
+from .nonfinite import NonFiniteWatch
+from .op_args import inputs_nonfinite, written_before
 from .own import unwatched
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)

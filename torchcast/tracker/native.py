@@ -43,3 +43,9 @@ stop_nonfinite_watch = _C.stop_nonfinite_watch if WITH_EXTENSION else None
 take_propagated = _C.take_propagated if WITH_EXTENSION else (lambda: 0)
 account_for_nonfinite = _C.account_for_nonfinite if WITH_EXTENSION else (lambda tensor: None)
 pause_nonfinite_watch = _C.pause_nonfinite_watch if WITH_EXTENSION else (lambda paused: False)
+# defer_writes(defer) -> batch: the writes of an optimizer's step, checked
+# where next read; check_deferred(): reads those left (the watch's end).
+defer_writes = _C.defer_writes if WITH_EXTENSION else (lambda defer: -1)
+check_deferred = _C.check_deferred if WITH_EXTENSION else (lambda: None)
+# nonfinite_seen(): whether a watched op has written NaN/inf since the start.
+nonfinite_seen = _C.nonfinite_seen if WITH_EXTENSION else (lambda: False)

@@ -36,27 +36,27 @@ block's outputs, the loss or the gradients, or were absorbed: reach.py
 decides that, at the grain of the block's steps, through the
 ``StepTracker`` each watch owns (``NonFiniteWatch.steps``).
 """
-import math
 import sys
 import threading
 import time
 import warnings
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
+from .._inputs import PLAIN_TENSOR_TYPES
 from . import native
 from .diagnose import op_name
 from .entries import (KnownNonfinite, describe_entry, nonfinite_number,
                       nonfinite_scalar_tensor)
 from .modules import current_module, module_of_node
 from .own import unwatched
-from .nonfinite_origin import (NonFiniteError, NonFiniteWarning, amax_of, floating_data,
-                               wider_note)
-from .origin import InputInfo, NonFiniteOrigin
+from .nonfinite_origin import NonFiniteError, NonFiniteWarning, floating_data, wider_note
+from .op_args import any_nonfinite, bound, device_flag, input_infos, written
+from .origin import NonFiniteOrigin
 from .reach import StepTracker
 from .sites import user_site
 
@@ -92,76 +92,6 @@ def _op_kind(func) -> str:
     if getattr(func, "is_view", False):
         return _SKIP
     return _UNCHECKED_OP if op_name(func) in _UNCHECKED else _CHECK
-
-
-def _bad(values: Sequence[Any]) -> bool:
-    """Whether any floating tensor or Python float among ``values`` is non-finite
-    (CPU tensors only)."""
-    for v in values:
-        if isinstance(v, float):
-            if not math.isfinite(v):
-                return True
-        elif isinstance(v, torch.Tensor) and floating_data(v):
-            if not _ops.finite(v):
-                return True
-    return False
-
-
-def inputs_nonfinite(func, args: tuple, kwargs: dict,
-                     before: Dict[str, Any]) -> Union[bool, torch.Tensor]:
-    """Whether a mutating op's inputs hold NaN/inf, before it runs (out=
-    arguments are results, whatever bits they hold; the inputs it writes to
-    are judged by their amax in ``before``, written_before's, so that each is
-    read once): a bool for CPU tensors, else a bool tensor on their device
-    (no sync)."""
-    values = tree_flatten([v for argument, v in _bound(func, args, kwargs)
-                           if not argument.is_out and not _written(argument)])[0]
-    values += [amax for amaxes in before.values() for amax in amaxes if amax is not None]
-    device = next((v.device for v in values
-                   if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
-    return _bad(values) if device is None else _device_flag(values, device)
-
-
-def _bound(func, args: tuple, kwargs: dict):
-    """(schema argument, value) for each argument the op was given."""
-    arguments = func._schema.arguments
-    yield from zip(arguments, args)
-    by_name = {a.name: a for a in arguments[len(args):]}
-    for name, value in kwargs.items():
-        if name in by_name:
-            yield by_name[name], value
-
-
-def _written(argument) -> bool:
-    """Whether the op writes to this argument as an input (self of an
-    in-place op), rather than as an out= result."""
-    alias = argument.alias_info
-    return alias is not None and alias.is_write and not argument.is_out
-
-
-def written_before(func, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    """The amax of each floating tensor (or tensor list) an in-place op is
-    about to overwrite, by argument name: 0-d tensors on their devices (no
-    sync), read when an origin is described."""
-    before = {}
-    for argument, value in _bound(func, args, kwargs):
-        if not _written(argument):
-            continue
-        tensors = value if isinstance(value, (list, tuple)) else [value]
-        before[argument.name] = [
-            _ops.readable(t.detach()).abs().amax() if isinstance(t, torch.Tensor)
-            and floating_data(t) else None for t in tensors]
-    return before
-
-
-def _device_flag(values: Sequence[Any], device: torch.device) -> torch.Tensor:
-    """A bool tensor on ``device``: whether any value is non-finite, without a sync."""
-    flags = [~torch.isfinite(_ops.readable(v)).all() for v in values
-             if isinstance(v, torch.Tensor) and floating_data(v)]
-    scalar_bad = any(isinstance(v, float) and not math.isfinite(v) for v in values)
-    flag = torch.stack([f.to(device) for f in flags]).any() if flags else \
-        torch.zeros((), dtype=torch.bool, device=device)
-    return flag | scalar_bad
 
 
 class NonFiniteWatch:
@@ -228,7 +158,7 @@ class NonFiniteWatch:
             kind = _op_kinds[id(func)] = _op_kind(func)
         if kind is _UNCHECKED_OP:
             values = tree_flatten((args, kwargs))[0]
-            read = [v for argument, v in _bound(func, args, kwargs) if not _written(argument)]
+            read = [v for argument, v in bound(func, args, kwargs) if not written(argument)]
             if any(nonfinite_scalar_tensor(v) and not self.known.contains(v)
                    and not self.accounted.contains(v) for v in read):
                 kind = _CHECK  # scores[0] = -inf: where they enter
@@ -247,7 +177,7 @@ class NonFiniteWatch:
         elif out is None:
             # An op that returns nothing (_foreach_mul_, an out= op such as
             # FSDP's split_with_sizes_copy): what it wrote to is its output.
-            outs = [t for argument, value in _bound(func, args, kwargs)
+            outs = [t for argument, value in bound(func, args, kwargs)
                     if argument.is_out or argument.name in (before or ())
                     for t in (value if isinstance(value, (list, tuple)) else [value])
                     if isinstance(t, torch.Tensor) and floating_data(t)]
@@ -260,12 +190,12 @@ class NonFiniteWatch:
             if not any(not _ops.all_finite(t) for t in outs):
                 return
             if inputs_bad is None:
-                inputs_bad = _bad(tree_flatten((args, kwargs))[0])
+                inputs_bad = any_nonfinite(tree_flatten((args, kwargs))[0])
             self._nonfinite_output(func, args, kwargs, outs, bool(inputs_bad), frame,
                                    _where(frame), before)
             return
-        out_bad = _device_flag(outs, device)
-        in_bad = (_device_flag(tree_flatten((args, kwargs))[0], device) if inputs_bad is None
+        out_bad = device_flag(outs, device)
+        in_bad = (device_flag(tree_flatten((args, kwargs))[0], device) if inputs_bad is None
                   else torch.as_tensor(inputs_bad).to(device))
         entry = (func, args, kwargs, outs, _where(frame), torch.stack([out_bad, in_bad]), before)
         if self.action == "raise_at_op":
@@ -304,8 +234,8 @@ class NonFiniteWatch:
                 return  # only an input it returned as it is (a no-op .to()): as a view is
         self.known.mark(outs)
         if entered:  # found where they entered: their next readers only pass them on
-            bound = list(_bound(func, args, kwargs))
-            self.known.mark(tree_flatten([bound[i][1] for i in entered])[0])
+            given = list(bound(func, args, kwargs))
+            self.known.mark(tree_flatten([given[i][1] for i in entered])[0])
         if inputs_bad and not entered:
             with self.lock:
                 self.propagated += 1
@@ -329,7 +259,7 @@ class NonFiniteWatch:
             # collective's own copy into its output, what arrives there.
             return [], True
         entered, passed_on = [], False
-        for i, (argument, value) in enumerate(_bound(func, args, kwargs)):
+        for i, (argument, value) in enumerate(bound(func, args, kwargs)):
             if argument.is_out:
                 continue
             tensors = value if isinstance(value, (list, tuple)) else [value]
@@ -364,16 +294,16 @@ class NonFiniteWatch:
         module, phase, node, site = where
         out = next(t for t in outs if not _ops.torch_all_finite(t))
         values = _ops.readable(out)
-        inputs = _inputs(func, args, kwargs, before or {})
+        inputs = input_infos(func, args, kwargs, before or {})
         with torch.no_grad():
             nan, posinf, neginf = (int(torch.isnan(values).sum()),
                                    int(torch.isposinf(values).sum()),
                                    int(torch.isneginf(values).sum()))
         forward = self.steps.forward(module) if phase == "backward" else None
         if entered:
-            bound = list(_bound(func, args, kwargs))
-            entered_text = describe_entry([bound[i][0].name for i in entered],
-                                          [bound[i][1] for i in entered], self.steps.roots_now())
+            given = list(bound(func, args, kwargs))
+            entered_text = describe_entry([given[i][0].name for i in entered],
+                                          [given[i][1] for i in entered], self.steps.roots_now())
             note = ""
         else:
             entered_text = None
@@ -396,6 +326,60 @@ class NonFiniteWatch:
             self.on_origin()
         if self.action == "raise_at_op":
             raise NonFiniteError(origin, _RAISED_AT_THE_OP)
+        if self.action == "warn" and origin.key not in self.warned:
+            self.warned.add(origin.key)
+            warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
+
+    # -- an optimizer's step: its writes checked where next read ------------------------
+    def optimizer_step(self, optimizer: Any, before: bool, raw: tuple) -> None:
+        """Before and after an optimizer's step (the outermost, in the track's
+        thread; ``raw``: the step's raw number, reach.py): on the C++ watch,
+        while no NaN/inf has been seen in the block, the writes of the step's
+        ops are not read as they write, but where an op next reads them and
+        makes NaN/inf from them, or when the watch ends (``found_deferred``):
+        a healthy step's parameters and states, most of its memory traffic,
+        are not read at all. With NaN/inf about, each op is read as any
+        other: the step may pass them on, and only its inputs tell."""
+        if self not in getattr(_cpp, "watches", ()) or _cpp.watches[0] is not self:
+            return
+        if not before:
+            native.defer_writes(False)
+            return
+        with self.lock:
+            healthy = not self.origins
+        if not healthy or native.nonfinite_seen():
+            # NaN/inf about (arrived, entered, made): the step may pass them
+            # on, and only reading its inputs tells its own from those.
+            return
+        batch = native.defer_writes(True)
+        params = {id(p.untyped_storage()) for group in optimizer.param_groups
+                  for p in group["params"] if type(p) in PLAIN_TENSOR_TYPES}
+        _batches[batch] = (raw, user_site(sys._getframe(1), skip_own=True),
+                           type(optimizer).__name__, params)
+
+    def found_deferred(self, func, out: torch.Tensor, batch: int) -> None:
+        """An op of optimizer step ``batch`` wrote NaN/inf into ``out`` (seen
+        where it was next read, or at the end): an origin of that step, its
+        inputs not read; its NaN/inf reached what the step wrote."""
+        raw, site, name, params = _batches[batch]
+        values = _ops.readable(out)
+        origin = NonFiniteOrigin(
+            op=f"{func.namespace}::{op_name(func)}", module=None, phase="forward", node=None,
+            file=site.file, line=site.line, via=site.via, dtype=out.dtype,
+            nan=int(torch.isnan(values).sum()), posinf=int(torch.isposinf(values).sum()),
+            neginf=int(torch.isneginf(values).sum()), inputs=[], note=_DEFERRED_NOTE,
+            worker=self.worker_id() if self.worker_id is not None else None,
+            time=time.monotonic())
+        # (out may be a view of what the step wrote: a Linear's weight, transposed)
+        where = f"the parameters {name}.step() wrote" if id(out.untyped_storage()) in params \
+            else f"the state {name}.step() keeps"
+        with self.lock:
+            known = self.origins.get(origin.key)
+            if known is not None:
+                known.count += 1
+                return
+            self.origins[origin.key] = origin
+        self.steps.reached_in_step(origin, raw, where)
         if self.action == "warn" and origin.key not in self.warned:
             self.warned.add(origin.key)
             warnings.warn_explicit(origin.describe(), NonFiniteWarning, site.file, site.line or 1)
@@ -432,6 +416,8 @@ class NonFiniteWatch:
             the exit (the track raises it once it is cleaned up), else None.
         """
         try:
+            if self in getattr(_cpp, "watches", ()):
+                native.check_deferred()
             self.flush()
             return self.steps.end_block(failed)
         finally:
@@ -440,25 +426,13 @@ class NonFiniteWatch:
             self.refresh()
 
 
-def _inputs(func, args: tuple, kwargs: dict, before: Dict[str, Any]) -> List[InputInfo]:
-    """An origin's floating inputs, as the op received them: an input it
-    wrote to is described by its amax read before (``before``), out=
-    arguments are left out (they are results)."""
-    inputs = []
-    for argument, value in _bound(func, args, kwargs):
-        if argument.is_out:
-            continue
-        tensors = value if isinstance(value, (list, tuple)) else [value]
-        prior = before.get(argument.name) or [None] * len(tensors)
-        for t, amax in zip(tensors, prior):
-            if not (isinstance(t, torch.Tensor) and floating_data(t)):
-                continue
-            if amax is None:
-                inputs.append(InputInfo(t.dtype, tuple(t.shape), amax_of(t)))
-            else:
-                inputs.append(InputInfo(t.dtype, tuple(t.shape), float(amax), overwritten=True))
-    return inputs
+# The optimizer steps whose writes the C++ watch checks where they are next
+# read: batch -> (raw step, the user's site of step(), optimizer, param ids).
+_batches: Dict[int, tuple] = {}
 
+_DEFERRED_NOTE = (
+    "Found where what it wrote was next read (or at the track's end): an optimizer step's "
+    "writes are not read as it writes them, so its inputs were not read.")
 
 _RAISED_AT_THE_OP = (
     "Raised at the op (nonfinite=\"raise_at_op\"), before the program used its result: whether "
@@ -510,13 +484,18 @@ def _take_propagated():
 
 
 def _on_origin(name: str, overload: str, outputs: list, inputs: list, before: list,
-               entered: Optional[List[int]]) -> None:
+               entered: Optional[List[int]], batch: Optional[int]) -> None:
     """The C++ watch's callback at an origin or entry: the op, its outputs,
     its inputs in schema order, per input the amax (or list of them) of an
-    input the op wrote to, read before it did (None for the others), and for
-    an entry the indices of the inputs that brought NaN/inf in."""
+    input the op wrote to, read before it did (None for the others), for an
+    entry the indices of the inputs that brought NaN/inf in, and for an op
+    of an optimizer's step whose write was checked later, its batch."""
     namespace, op = name.split("::", 1)
     func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+    if batch is not None:
+        for watch in list(_cpp.watches):
+            watch.found_deferred(func, outputs[0], batch)
+        return
     args, kwargs, written = [], {}, {}
     for argument, value, prior in zip(func._schema.arguments, inputs,
                                       before or [None] * len(inputs)):

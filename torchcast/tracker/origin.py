@@ -35,7 +35,9 @@ class InputInfo:
 
     dtype: torch.dtype
     shape: Tuple[int, ...]
-    amax: float  # the largest |x| (its inputs are finite at an origin)
+    # The largest |x| (its inputs are finite at an origin); -1 for an input
+    # the op wrote to that was known finite and not read again.
+    amax: float
     overwritten: bool = False  # the op wrote to it: amax is read before the op ran
 
     def to_dict(self) -> Dict[str, Any]:
@@ -44,6 +46,9 @@ class InputInfo:
 
     def describe(self) -> str:
         """e.g. "float16[3] amax 1 (before the op wrote to it)"."""
+        if self.overwritten and self.amax < 0:  # kFiniteUnread (csrc/cpu/nonfinite_watch.cpp)
+            return (f"{short_dtype_name(self.dtype)}{list(self.shape)} finite before the op "
+                    "wrote to it (as the op before it left it; not read again)")
         return (f"{short_dtype_name(self.dtype)}{list(self.shape)} amax {self.amax:.4g}"
                 + (" (before the op wrote to it)" if self.overwritten else ""))
 

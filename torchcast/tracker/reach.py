@@ -106,6 +106,9 @@ class StepTracker:
         self.raw: Dict[tuple, list] = {}
         self.roots: Dict[int, Any] = {}  # weakrefs to the top-level modules of the open steps
         self.forwards: Dict[str, tuple] = {}  # module path -> its forward (name, file, line)
+        # Under "raise": the error for an origin found outside any check (an
+        # optimizer step's deferred write), raised at the next one.
+        self.pending_error: Optional[NonFiniteError] = None
 
     # -- what the watch calls -------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +131,7 @@ class StepTracker:
         """
         if self.started and not failed and not self.in_worker:
             try:
+                self._raise_pending()
                 self._close(lambda occurrence: True, check=True)
             except NonFiniteError as raised:
                 return raised
@@ -192,6 +196,23 @@ class StepTracker:
         calls = running_calls()
         return bool(calls) and (self.stepping_root is None
                                 or calls[0].module_id == self.stepping_root)
+
+    def reached_in_step(self, origin: NonFiniteOrigin, raw: tuple, at: str) -> None:
+        """An origin of an optimizer's step, found after it (one of its
+        deferred writes, nonfinite.py): its NaN/inf reached ``at`` (what the
+        step wrote) in that step, raw step ``raw``. Under "raise", raised at
+        the next check (a top-level module's output, backward, the next
+        optimizer step, the block's end)."""
+        with self.watch.lock:
+            self.raw.setdefault(origin.key, [raw, None])
+            self._mark(origin, at, raw)
+        if self.watch.action == "raise" and self.pending_error is None:
+            self.pending_error = _reached_error([origin], at)
+
+    def _raise_pending(self) -> None:
+        error, self.pending_error = self.pending_error, None
+        if error is not None:
+            raise error
 
     # -- deciding -------------------------------------------------------------------
     def _resolve(self, origin: NonFiniteOrigin) -> None:
@@ -294,6 +315,7 @@ class StepTracker:
             self.forwards[path] = _forward_of(call.owner)
         if call.parent is not None:
             return
+        self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
         if self.stepping_root is None:
@@ -334,6 +356,7 @@ class StepTracker:
         """backward() or autograd.grad() is about to run from ``outputs``."""
         if self.in_worker:
             return
+        self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
         if self.open and self._any_nonfinite(outputs):
@@ -355,12 +378,15 @@ class StepTracker:
         if before:
             self.opt_seen = True
             try:
+                self._raise_pending()
                 if self.open and self._any_nonfinite(p.grad for p in params):
                     self._reached(f"the gradients {name}.step() read", now)
             except NonFiniteError:
                 self.opt_depth -= 1  # raised before the step: no post-hook comes
                 raise
+            self.watch.optimizer_step(optimizer, True, now)
             return
+        self.watch.optimizer_step(optimizer, False, now)
         states = [t for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor)]
         self.watch.account_for(_plain_parts(params + states))
