@@ -283,7 +283,8 @@ def _health_cases(dtype):
         _health_case("misaligned", dtype, lambda: mixed(n + 1, dtype, 22)[1:], tiles=10),
         _health_case("strided", dtype, lambda: mixed(4 * n, dtype, 23).view(4, n)[:, 1::2],
                      tiles=10),
-        _health_case("expanded", dtype, lambda: mixed(n // 16, dtype, 24).view(-1, 1).expand(-1, 16)),
+        _health_case("expanded", dtype,
+                     lambda: mixed(n // 16, dtype, 24).view(-1, 1).expand(-1, 16)),
         # Every lane of every warp in one bin: the shared and global atomics contended.
         _health_case("constant", dtype, lambda: torch.full((n,), 1.5, dtype=dtype), tiles=10),
         _health_case("constant-subnormal", dtype,
@@ -346,9 +347,9 @@ BLOCK_CASES = [
     # 40 rows of 1,000 (a ragged last block per row) on 8 blocks of 128
     # threads: 1,280 blocks of 32 or 2,520 of 16, so the loop wraps. Every
     # (format, source) pair, the scale modes in turn.
-    *[_block_case("wrap", fmt, BLOCK_FORMATS[fmt].scale_modes[i % len(BLOCK_FORMATS[fmt].scale_modes)],
-                  src, seed=i, wraps=True)
-      for fmt in BLOCK_FORMATS for i, src in enumerate(SOURCES)],
+    *[_block_case("wrap", fmt, modes[i % len(modes)], src, seed=i, wraps=True)
+      for fmt, modes in ((f, BLOCK_FORMATS[f].scale_modes) for f in BLOCK_FORMATS)
+      for i, src in enumerate(SOURCES)],
     # 4-bit elements, odd-length last blocks: the last byte's high nibble.
     _block_case("ragged", "mxfp4", "even", torch.float32, rows=7, n=333, block_size=6),
     _block_case("ragged", "nvfp4", "amax", torch.bfloat16, rows=9, n=101, block_size=10),
@@ -453,7 +454,8 @@ def check_adam(case: Case, device: Device) -> None:
         for i, (w, g) in enumerate(zip(lw, lg)):
             assert g.stride() == w.stride(), name
             assert_same_bits(w, g.cpu(), f"{name} {i}")
-    for i, (w, g) in enumerate(zip(want_kw.get("update_stats", []), got_kw.get("update_stats", []))):
+    counts = zip(want_kw.get("update_stats", []), got_kw.get("update_stats", []))
+    for i, (w, g) in enumerate(counts):
         assert torch.equal(w, g.cpu()), f"update_stats {i}: {g.tolist()} != {w.tolist()}"
 
 
