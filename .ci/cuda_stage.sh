@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # CI stage: build torchcast with its CUDA kernels (TORCHCAST_CUDA=1) in a
-# second virtualenv holding a CUDA torch, import it on this machine (which may
-# have no GPU: nothing CUDA runs here), and run the test suite against that
-# build. The CUDA tests themselves skip without a GPU; benchmarks/gpu_check.sh
-# runs them on one.
+# second virtualenv holding a CUDA torch, check what the compiler says about
+# them (.ci/cuda_facts.py: registers, no spills, no fused multiply-add the
+# source did not ask for, no floating-point atomics), import the build on
+# this machine (which may have no GPU: nothing CUDA runs here) and run the
+# test suite against it, the CUDA kernels on the emulated grid included. The
+# CUDA tests themselves skip without a GPU; benchmarks/gpu_check.sh runs them
+# on one.
 #
 # Skipped, not failed, where nvcc is absent or the disk has no room for a
 # CUDA torch (about 7 GiB). Knobs:
@@ -81,6 +84,11 @@ git ls-files -z --cached --others --exclude-standard \
 step "building with TORCHCAST_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCHCAST_CI_CUDA_ARCH:-9.0}"
 (cd "$STAGE" && TORCHCAST_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCHCAST_CI_CUDA_ARCH:-9.0}" \
    MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.py -q build_ext --inplace)
+
+step "what the compiler says about the kernels (.ci/cuda_facts.py)"
+temp=$(ls -d "$STAGE"/build/temp.*/ | head -n1)
+"$VENV/bin/python" .ci/cuda_facts.py "$temp" "$STAGE/build/cuda-facts" --control \
+  --jobs "${MAX_JOBS:-2}"
 
 step "importing the CUDA build on this machine"
 (cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" - <<'EOF'

@@ -1,6 +1,8 @@
 """What only CUDA has: the build's kernels, run-to-run determinism on the GPU,
 64-bit indexing at sizes the CPU tests do not reach, streams, the sync
-debugger, CUDA graphs, and operands on two devices.
+debugger, CUDA graphs, and operands on two devices; and every kernel on the
+cases of kernel_cases.py, which test_cuda_emulated.py runs on the emulated
+grid without a GPU.
 
 The checks every device shares (against the references, and off the CPU bit
 for bit against the CPU op) live in test_cast.py, test_reduce.py and
@@ -20,6 +22,7 @@ from torchcast._reference import cast as cast_ref
 from adam_common import adam_kw, assert_same_bits, make_operands, operands_on
 from cast_common import assert_same, bits, sample
 from devices import on_device
+from kernel_cases import KERNELS, Device
 from reduce_common import assert_matches, spread_sample
 
 pytestmark = pytest.mark.skipif(
@@ -53,6 +56,17 @@ def test_run_to_run_identical(pair):
         y2, s2 = op(x, dst)
         assert torch.equal(bits(y1), bits(y2))
         assert torch.equal(s1.view(torch.int64), s2.view(torch.int64))
+
+
+# ---------------------------------------------------------------------------
+# every kernel on the cases the emulated grid runs (tests/kernel_cases.py)
+
+KERNEL_CASES = [(kernel, case) for kernel, (cases, _) in KERNELS.items() for case in cases]
+
+
+@pytest.mark.parametrize("kernel,case", KERNEL_CASES, ids=[f"{k}-{c.id}" for k, c in KERNEL_CASES])
+def test_kernel_cases(kernel, case):
+    KERNELS[kernel][1](case, Device("cuda", torch.ops.torchcast))
 
 
 # ---------------------------------------------------------------------------

@@ -10,16 +10,12 @@
 // on the device, and the constants that depend on them are computed there
 // with the same float64 expressions as on the host.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "../adam_common.h"
+#include "launch.cuh"
 
 namespace torchcast {
 namespace {
@@ -143,7 +139,7 @@ __global__ void __launch_bounds__(kAdamThreads)
 template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>
 void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
                      const std::vector<double>& steps, const DeviceScalars& ds,
-                     const at::Device& device) {
+                     const Launcher& launch) {
   using T = typename AdamElement<PT, ST, M, kAmsgrad, kTrack>::T;
   std::vector<DeviceTensor<T>> tensors;
   tensors.reserve(ops.size());
@@ -163,18 +159,11 @@ void adam_cuda_typed(const std::vector<TensorOperands>& ops, const AdamHyper& h,
               "torchcast.adam_step_: ", nchunks, " chunks of ", kAdamChunk,
               " elements exceed one launch; step the params in several groups");
 
-  // Pinned, so that the copy is asynchronous on the current stream; the
-  // caching host allocator keeps the buffer until the copy has run.
-  const auto bytes = static_cast<int64_t>(tensors.size() * sizeof(DeviceTensor<T>));
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), tensors.data(), static_cast<size_t>(bytes));
-  const at::Tensor dev = host.to(device, /*non_blocking=*/true);
-
-  adam_kernel<PT, ST, M, kAmsgrad, kTrack>
-      <<<static_cast<unsigned>(nchunks), kAdamThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          static_cast<const DeviceTensor<T>*>(dev.data_ptr()),
-          static_cast<int>(tensors.size()), adam_consts<T>(h), ds);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor dev = launch.upload(
+      tensors.data(), static_cast<int64_t>(tensors.size() * sizeof(DeviceTensor<T>)));
+  launch(adam_kernel<PT, ST, M, kAmsgrad, kTrack>, static_cast<unsigned>(nchunks), kAdamThreads,
+         static_cast<const DeviceTensor<T>*>(dev.data_ptr()), static_cast<int>(tensors.size()),
+         adam_consts<T>(h), ds);
 }
 
 // A one-element scalar as float64 on the device: a device tensor is converted
@@ -185,18 +174,13 @@ at::Tensor device_double(const at::Tensor& t, const at::Device& device) {
   return t.reshape({1}).to(opts);
 }
 
-const at::Device& cuda_device(const at::Device& device) {
-  TORCH_CHECK(device.is_cuda(), "torchcast.adam_step_: the CUDA kernel got params on ", device);
-  return device;
-}
-
 // The backend of adam_step<> (adam_common.h): a tensor lr and grad_scale are
 // read on the device, by the kernel, which also unscales the grads there.
 class CudaAdam {
  public:
   static constexpr bool kUnscalesInKernel = true;
 
-  explicit CudaAdam(const at::Device& device) : guard_(cuda_device(device)), device_(device) {}
+  explicit CudaAdam(const at::Device& device) : launch_(device), device_(device) {}
 
   double lr_of(double lr) const { return lr; }
   // 0 is never read: the device computes the lr-dependent constants.
@@ -213,18 +197,18 @@ class CudaAdam {
     const DeviceScalars ds{lr_.defined() ? lr_.data_ptr<double>() : nullptr,
                            scale_.defined() ? scale_.data_ptr<double>() : nullptr,
                            h.weight_decay, h.decoupled};
-    adam_cuda_typed<PT, ST, M, kAmsgrad, kTrack>(ops, h, steps, ds, device_);
+    adam_cuda_typed<PT, ST, M, kAmsgrad, kTrack>(ops, h, steps, ds, launch_);
   }
 
  private:
-  const c10::cuda::CUDAGuard guard_;
+  const Launcher launch_;
   const at::Device device_;
   at::Tensor lr_, scale_;  // float64 on the device, where passed
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+TORCHCAST_CUDA_KERNELS(m) {
   m.impl("adam_step_", &adam_step<CudaAdam, double>);
   m.impl("adam_step_.tensor_lr", &adam_step<CudaAdam, const at::Tensor&>);
 }

@@ -7,16 +7,13 @@
 // Nothing synchronizes with the host: NVFP4's tensor scale is read on the
 // device.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "../block_cast_common.h"
 #include "block_reduce.cuh"
+#include "launch.cuh"
 
 namespace torchcast {
 namespace {
@@ -59,34 +56,32 @@ __global__ void block_cast_finish(const block::Tally* __restrict__ partials, int
 struct CudaBlockCast {
   template <typename BF, typename Src>
   static void run(BlockCastPlan& plan) {
-    const c10::cuda::CUDAGuard guard(plan.x.device());
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const Launcher launch(plan.x.device());
     const int64_t total = plan.rows * plan.blocks_per_row;
     const int64_t wanted = (total + kBlockThreads - 1) / kBlockThreads;
-    const int64_t cap = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 8;
+    const int64_t cap = int64_t{launch.multiprocessors()} * 8;
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min(wanted, cap)));
     at::Tensor partials = at::empty({static_cast<int64_t>(grid * sizeof(block::Tally))},
                                     plan.x.options().dtype(at::kByte));
     plan.scale_hist.zero_();
-    block_cast_kernel<BF, Src><<<grid, kBlockThreads, 0, stream>>>(
-        reinterpret_cast<const typename Src::storage*>(plan.x.const_data_ptr()), plan.n,
-        plan.block, plan.blocks_per_row, total, plan.data.size(-1), plan.mode,
-        plan.tensor_scale.defined() ? plan.tensor_scale.const_data_ptr<float>() : nullptr,
-        static_cast<uint8_t*>(plan.data.data_ptr()), static_cast<uint8_t*>(plan.scales.data_ptr()),
-        reinterpret_cast<unsigned long long*>(plan.scale_hist.data_ptr<int64_t>()),
-        reinterpret_cast<block::Tally*>(partials.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    block_cast_finish<<<1, 1, 0, stream>>>(
-        reinterpret_cast<const block::Tally*>(partials.const_data_ptr()), grid,
-        static_cast<double>(plan.x.numel()), plan.stats.data_ptr<double>(),
-        plan.block_counts.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(block_cast_kernel<BF, Src>, grid, kBlockThreads,
+           reinterpret_cast<const typename Src::storage*>(plan.x.const_data_ptr()), plan.n,
+           plan.block, plan.blocks_per_row, total, plan.data.size(-1), plan.mode,
+           plan.tensor_scale.defined() ? plan.tensor_scale.const_data_ptr<float>() : nullptr,
+           static_cast<uint8_t*>(plan.data.data_ptr()),
+           static_cast<uint8_t*>(plan.scales.data_ptr()),
+           reinterpret_cast<unsigned long long*>(plan.scale_hist.data_ptr<int64_t>()),
+           reinterpret_cast<block::Tally*>(partials.data_ptr()));
+    launch(block_cast_finish, 1, 1,
+           reinterpret_cast<const block::Tally*>(partials.const_data_ptr()), grid,
+           static_cast<double>(plan.x.numel()), plan.stats.data_ptr<double>(),
+           plan.block_counts.data_ptr<int64_t>());
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+TORCHCAST_CUDA_KERNELS(m) {
   m.impl("block_cast", &block_cast<CudaBlockCast>);
 }
 

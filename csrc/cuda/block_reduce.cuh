@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "../numerics.h"
+#include "launch.cuh"
 
 namespace torchcast {
 
@@ -61,9 +62,10 @@ __device__ __forceinline__ T block_reduce(T value, T* smem) {
 
 // Uninitialized shared storage for kWarps values: __shared__ variables cannot
 // have constructors, and the partials have default member initializers.
+// (alignas first: the emulated grid's __shared__ is a storage class.)
 template <typename T>
 __device__ __forceinline__ T* shared_scratch() {
-  __shared__ alignas(T) unsigned char raw[kWarps * sizeof(T)];
+  alignas(T) __shared__ unsigned char raw[kWarps * sizeof(T)];
   return reinterpret_cast<T*>(raw);
 }
 

@@ -12,11 +12,7 @@
 // so the op never synchronizes with the host.
 #include <ATen/ATen.h>
 #include <ATen/TensorIterator.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/detail/OffsetCalculator.cuh>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -24,6 +20,7 @@
 
 #include "../cast_common.h"
 #include "block_reduce.cuh"
+#include "launch.cuh"
 
 namespace torchcast {
 namespace {
@@ -204,29 +201,22 @@ __global__ void __launch_bounds__(kBlockThreads)
 template <typename Src, typename Target, typename Offsets, bool kVector,
           typename From = typename SourceFormat<Src>::storage,
           typename Wide = typename SourceFormat<Src>::wide>
-void launch_cast(const From* x, typename Target::storage* y, const Offsets& offsets,
-                 int64_t numel, const CastOptions& options, ChunkStats<Wide>* partials,
-                 cudaStream_t stream) {
+void launch_cast(const Launcher& launch, const From* x, typename Target::storage* y,
+                 const Offsets& offsets, int64_t numel, const CastOptions& options,
+                 ChunkStats<Wide>* partials) {
   const auto kernel = cast_stats_kernel<Src, Target, Offsets, kVector>;
   // Residency depends only on the kernel and the architecture; cached once
   // per kernel (a mixed-architecture machine would get a suboptimal grid
   // size, never a different result: the chunking fixes the order).
-  static const int blocks_per_sm = [&] {
-    int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kBlockThreads, 0));
-    return std::max(blocks, 1);
-  }();
-  const int64_t resident =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
-      blocks_per_sm;
+  static const int blocks_per_sm = Launcher::blocks_per_sm(kernel, kBlockThreads);
+  const int64_t resident = static_cast<int64_t>(launch.multiprocessors()) * blocks_per_sm;
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
   // As many rounds as the resident blocks need, then as few blocks as cover
   // the chunks in that many rounds, so every block does the same work (+-1).
   const int64_t rounds = (nchunks + resident - 1) / resident;
   const int64_t grid = (nchunks + rounds - 1) / rounds;
-  kernel<<<static_cast<unsigned>(grid), kBlockThreads, 0, stream>>>(x, y, offsets, numel, options,
-                                                                     partials);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(kernel, static_cast<unsigned>(grid), kBlockThreads, x, y, offsets, numel, options,
+         partials);
 }
 
 // The backend of cast_with_stats<> (cast_common.h).
@@ -237,12 +227,11 @@ struct CudaCast {
     using Partial = ChunkStats<typename SourceFormat<Src>::wide>;
     using Storage = typename Target::storage;
     constexpr int kVec = vec_of<From>();
-    const c10::cuda::CUDAGuard guard(x.device());
+    const Launcher launch(x.device());
 
     auto iter = cast_iterator(x, y);
     const int64_t numel = iter.numel();
     const int64_t nchunks = (numel + kChunk - 1) / kChunk;
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
     auto stats = at::empty({kNumStats}, x.options().dtype(at::kDouble));
     auto partial_bytes = at::empty(
@@ -257,28 +246,29 @@ struct CudaCast {
         const bool aligned = reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&
                              reinterpret_cast<uintptr_t>(yp) % (kVec * sizeof(Storage)) == 0;
         if (aligned) {
-          launch_cast<Src, Target, LinearOffsets, true>(xp, yp, {}, numel, options, partials, stream);
+          launch_cast<Src, Target, LinearOffsets, true>(launch, xp, yp, {}, numel, options,
+                                                        partials);
         } else {
-          launch_cast<Src, Target, LinearOffsets, false>(xp, yp, {}, numel, options, partials, stream);
+          launch_cast<Src, Target, LinearOffsets, false>(launch, xp, yp, {}, numel, options,
+                                                         partials);
         }
       } else if (iter.can_use_32bit_indexing()) {
         launch_cast<Src, Target, IterOffsets<uint32_t>, false>(
-            xp, yp, iter_offsets<uint32_t>(iter), numel, options, partials, stream);
+            launch, xp, yp, iter_offsets<uint32_t>(iter), numel, options, partials);
       } else {
         launch_cast<Src, Target, IterOffsets<uint64_t>, false>(
-            xp, yp, iter_offsets<uint64_t>(iter), numel, options, partials, stream);
+            launch, xp, yp, iter_offsets<uint64_t>(iter), numel, options, partials);
       }
     }
-    finish_stats_kernel<<<1, kBlockThreads, 0, stream>>>(partials, nchunks, numel,
-                                                         stats.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(finish_stats_kernel<typename SourceFormat<Src>::wide>, 1, kBlockThreads, partials,
+           nchunks, numel, stats.data_ptr<double>());
     return stats;
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+TORCHCAST_CUDA_KERNELS(m) {
   m.impl("cast_with_stats", &cast_with_stats<CudaCast>);
   m.impl("cast_with_stats.out", &cast_with_stats_out<CudaCast>);
 }

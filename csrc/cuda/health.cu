@@ -12,10 +12,6 @@
 // nearly all data lives) there, and the other bins go straight to the output
 // with global atomics, still one per group of lanes.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +19,7 @@
 
 #include "../health_common.h"
 #include "block_reduce.cuh"
+#include "launch.cuh"
 
 namespace torchcast {
 namespace {
@@ -195,7 +192,7 @@ struct CudaHealth {
   template <typename F>
   static HealthResult run(const at::Tensor& x_in, const HealthInput& layout_in) {
     using B = typename F::bits_t;
-    const c10::cuda::CUDAGuard guard(x_in.device());
+    const Launcher launch(x_in.device());
     HealthResult outputs = health_outputs(x_in, F::kRows);
     if (layout_in.numel == 0) return outputs;
     at::Tensor x = x_in;
@@ -217,32 +214,30 @@ struct CudaHealth {
     constexpr int64_t kTile = int64_t{kThreads} * (16 / static_cast<int64_t>(sizeof(B)));
     // A few blocks per SM (the loop is grid-stride), and enough that no
     // block counts 2^30 elements into its uint32 shared histogram.
-    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t sms = launch.multiprocessors();
     const int64_t tiles = (n + kTile - 1) / kTile;
     const int64_t blocks = std::max(std::min(tiles, sms * 8), (n >> 30) + 1);
     const dim3 grid(static_cast<unsigned>(blocks));
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     auto* counts = std::get<0>(outputs).data_ptr<int64_t>();
     auto* hist = std::get<1>(outputs).data_ptr<int64_t>();
     auto* extrema = reinterpret_cast<unsigned long long*>(std::get<2>(outputs).data_ptr<double>());
     if (!layout.flat) {
-      health_kernel<F, Reading::kStrided>
-          <<<grid, kThreads, 0, stream>>>(xp, n, axes, counts, hist, extrema);
+      launch(health_kernel<F, Reading::kStrided>, grid, kThreads, xp, n, axes, counts, hist,
+             extrema);
     } else if (reinterpret_cast<uintptr_t>(xp) % 16 == 0) {
-      health_kernel<F, Reading::kVector>
-          <<<grid, kThreads, 0, stream>>>(xp, n, axes, counts, hist, extrema);
+      launch(health_kernel<F, Reading::kVector>, grid, kThreads, xp, n, axes, counts, hist,
+             extrema);
     } else {
-      health_kernel<F, Reading::kFlat>
-          <<<grid, kThreads, 0, stream>>>(xp, n, axes, counts, hist, extrema);
+      launch(health_kernel<F, Reading::kFlat>, grid, kThreads, xp, n, axes, counts, hist,
+             extrema);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return outputs;
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+TORCHCAST_CUDA_KERNELS(m) {
   m.impl("tensor_health", &tensor_health<CudaHealth>);
 }
 

@@ -16,16 +16,13 @@
 // Strided x is read in place through the plan's axes (no copy).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "../reduce_common.h"
 #include "block_reduce.cuh"
+#include "launch.cuh"
 
 namespace torchcast {
 namespace {
@@ -243,18 +240,17 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Blocks for `work` units of `per_block` each, at most a few waves of the
 // device (the loops are grid-stride; the order never depends on the grid).
-unsigned grid_for(int64_t work, int64_t per_block) {
-  const int64_t waves =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 16;
+unsigned grid_for(const Launcher& launch, int64_t work, int64_t per_block) {
+  const int64_t waves = static_cast<int64_t>(launch.multiprocessors()) * 16;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min((work + per_block - 1) / per_block, waves)));
 }
 
 template <typename scalar_t>
-void launch_reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) {
+void launch_reduce(const Launcher& launch, const char* op, const at::Tensor& x,
+                   const ReducePlan& plan) {
   using P = partial_of<scalar_t>;
   using Storage = storage_of<scalar_t>;
   const auto* xp = static_cast<const Storage*>(x.const_data_ptr());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const OutputWriter write = output_writer(plan);
   const DeviceAxes reduced = device_axes(op, plan.reduced);
   const int64_t k = plan.k, m = plan.m;
@@ -272,18 +268,18 @@ void launch_reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) 
       outputs.nd = 0;
       const bool vector = plan.reduced.size() == 1 && plan.reduced[0].xstride == 1 &&
                           reinterpret_cast<uintptr_t>(xp) % 16 == 0;
-      const unsigned grid = grid_for(nseg, 1);
+      const unsigned grid = grid_for(launch, nseg, 1);
       if (vector) {
-        full_kernel<scalar_t, true><<<grid, kBlockThreads, 0, stream>>>(xp, reduced, m, partials);
+        launch(full_kernel<scalar_t, true>, grid, kBlockThreads, xp, reduced, m, partials);
       } else {
-        full_kernel<scalar_t, false><<<grid, kBlockThreads, 0, stream>>>(xp, reduced, m, partials);
+        launch(full_kernel<scalar_t, false>, grid, kBlockThreads, xp, reduced, m, partials);
       }
       break;
     }
     case Scheme::kWarpLanes:
       outputs = device_axes(op, plan.kept);
-      warp_lanes_kernel<scalar_t><<<grid_for(k * nseg, kWarps), kBlockThreads, 0, stream>>>(
-          xp, outputs, reduced, k, m, nseg, partials, write);
+      launch(warp_lanes_kernel<scalar_t>, grid_for(launch, k * nseg, kWarps), kBlockThreads, xp,
+             outputs, reduced, k, m, nseg, partials, write);
       break;
     case Scheme::kOneLane: {
       // The kept axis with the smallest stride in x last, so that
@@ -296,31 +292,29 @@ void launch_reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) 
       order.erase(inner);
       order.push_back(vec);
       outputs = device_axes(op, order);
-      one_lane_kernel<scalar_t><<<grid_for(k * nseg, kBlockThreads), kBlockThreads, 0, stream>>>(
-          xp, outputs, reduced, k, m, nseg, partials, write);
+      launch(one_lane_kernel<scalar_t>, grid_for(launch, k * nseg, kBlockThreads), kBlockThreads,
+             xp, outputs, reduced, k, m, nseg, partials, write);
       break;
     }
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (!direct) {
-    finish_kernel<P><<<grid_for(k, 1), kBlockThreads, 0, stream>>>(partials, outputs, k, nseg,
-                                                                     write);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(finish_kernel<P>, grid_for(launch, k, 1), kBlockThreads, partials, outputs, k, nseg,
+           write);
   }
 }
 
 // The backend of kahan_reduce<> (reduce_common.h).
 struct CudaReduce {
   static void reduce(const char* op, const at::Tensor& x, const ReducePlan& plan) {
-    const c10::cuda::CUDAGuard guard(x.device());
+    const Launcher launch(x.device());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "kahan_reduce_cuda",
-                                    [&] { launch_reduce<scalar_t>(op, x, plan); });
+                                    [&] { launch_reduce<scalar_t>(launch, op, x, plan); });
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchcast, CUDA, m) {
+TORCHCAST_CUDA_KERNELS(m) {
   m.impl("kahan_sum", &kahan_reduce<CudaReduce, /*kMean=*/false>);
   m.impl("kahan_mean", &kahan_reduce<CudaReduce, /*kMean=*/true>);
 }

@@ -194,7 +194,10 @@ def check_scale_value(scale, message=BAD_SCALE):
         torch._assert_async(torch.isfinite(scale).logical_and_(scale > 0).reshape(()), message)
 
 
-def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
+def cast_with_stats(x, dtype, out=None, saturate=None, scale=None, *, cuda_sums=None):
+    """cast_with_stats(x, dtype) as the kernels compute it. cuda_sums: the
+    sums of the CUDA kernel (True) or of the CPU kernel (False); None: of x's
+    device. (The tests run CUDA's on CPU tensors for the emulated kernels.)"""
     kind = classify_cast(x.dtype, dtype)
     check_scale(x, dtype, kind, scale)
     if scale is not None:
@@ -260,7 +263,8 @@ def cast_with_stats(x, dtype, out=None, saturate=None, scale=None):
     # compensated float32 sums of float32 terms for the other sources on
     # CUDA (numerics.h's SumsOf).
     size = x.element_size()
-    if x.device.type == "cpu":
+    cpu_sums = x.device.type == "cpu" if cuda_sums is None else not cuda_sums
+    if cpu_sums:
         abs_err, xf = abs_err.double(), xf.double()
         zero = zero.double()
     values["sum_abs_err"] = canonical_sum(abs_err, size)

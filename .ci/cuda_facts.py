@@ -1,0 +1,330 @@
+"""What the compiler says about the CUDA kernels, checked; run by
+.ci/cuda_stage.sh after its build (docs/cuda.md, "What the compiler says").
+
+Each csrc/cuda/*.cu is compiled once more with the build's own nvcc command
+(ninja -t commands) plus --resource-usage (ptxas -v), -lineinfo (source
+lines in the SASS; it does not change the code) and --keep, and per kernel:
+  - ptxas' registers, stack frame and spills: no spills (but SPILL_ALLOWANCE);
+  - no fused multiply-add that the source did not ask for, which would round
+    differently from the CPU kernels (built with -ffp-contract=off): in the
+    PTX no floating-point mad, and every floating-point mul, add and sub with
+    an explicit rounding mode (which ptxas never fuses: what --fmad=false
+    makes nvcc write); in the SASS (nvdisasm -g: cuobjdump -sass with the
+    source lines) every FFMA/DFMA either refines an IEEE division or square
+    root (it lies in the compiler's division, reciprocal or square-root
+    subroutine, comes from a source line with a division or square root, or
+    reads a MUFU approximation a few instructions before) or is a product's
+    exact error, fma(a, b, -a*b);
+  - no floating-point atomics (RED/ATOM on F16, BF16, F32, F64): every
+    kernel's results promise to be deterministic.
+--control also compiles adam.cu with --fmad=true and requires the SASS check
+to find fused multiply-adds there: the check can fail.
+
+    python .ci/cuda_facts.py BUILD_TEMP_DIR OUT_DIR [--control] [--jobs N]
+
+Prints a table per kernel template (markdown) and exits 1 if a check fails.
+Needs ninja (the build's), nvdisasm (the toolkit's, else Triton's copy in the
+CUDA torch's site-packages) and c++filt."""
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+# Instructions after a MUFU approximation within which the FFMA/DFMA
+# refining it lie (ptxas interleaves the refinement with other work).
+WINDOW = 40
+# Spill bytes (stores or loads) a kernel template may have, else none: nvcc
+# 13.0 spills a loop-invariant value or two of 17 of the 80
+# cast_stats_kernel instantiations around the calls to the IEEE division's
+# slow path (stored at the kernel's or a chunk's start, reloaded per chunk:
+# not per element), whatever the register limit. docs/cuda.md lists them.
+SPILL_ALLOWANCE = {"cast_stats_kernel": 16}
+FMA_OPS = ("FFMA", "DFMA", "HFMA2")
+FLOAT_ATOMIC = re.compile(r"^(RED|ATOM|ATOMS|ATOMG)\.\S*\b(F16|F16x2|BF16|BF16_V2|F32|F64|FTZ)\b")
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+REGISTER = re.compile(r"(?<![\w.])[-|!]*R(\d+)\b")
+
+
+def tool(name):
+    """name on PATH, else beside this Python (the venv's ninja), else in the
+    CUDA torch's Triton (which carries nvdisasm; the toolkit may not)."""
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if path is None:
+        triton = Path(sysconfig.get_paths()["purelib"]) / "triton" / "backends" / "nvidia" / "bin"
+        found = list(triton.glob(name))
+        path = str(found[0]) if found else None
+    if path is None:
+        sys.exit(f"cuda facts: {name} not found (PATH, {Path(sys.executable).parent}, Triton)")
+    return path
+
+
+def nvcc_commands(build):
+    """(stem, command, object) of each csrc/cuda/*.cu in the build's ninja file."""
+    out = subprocess.run([tool("ninja"), "-C", str(build), "-t", "commands"], check=True,
+                         capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        m = re.search(r" -c (\S+/csrc/cuda/(\w+)\.cu) -o (\S+\.o)", line)
+        if "nvcc" in line and m:
+            found.append((m.group(2), line, m.group(3)))
+    if not found:
+        sys.exit(f"cuda facts: no nvcc commands for csrc/cuda/*.cu in {build}/build.ninja")
+    return found
+
+
+def compile_kept(stem, command, obj, out, extra=""):
+    keep = out / stem
+    keep.mkdir(parents=True, exist_ok=True)
+    command = command.replace(obj, str(keep / f"{stem}.o"))
+    flags = f"--resource-usage -lineinfo --keep --keep-dir {keep} {extra}"
+    proc = subprocess.run(["bash", "-c", f"{command} {flags}"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"cuda facts: compiling {stem}.cu failed:\n{proc.stdout}{proc.stderr}")
+    (keep / "ptxas.txt").write_text(proc.stdout + proc.stderr)
+    return proc.stdout + proc.stderr, keep
+
+
+def resource_usage(text):
+    """{kernel: (registers, stack bytes, spill stores, spill loads)} from ptxas."""
+    usage, frame, current = {}, {}, None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            current = m.group(1)
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                      line)
+        if m and current:
+            frame[current] = tuple(int(g) for g in m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            usage[current] = (int(m.group(1)),) + frame.get(current, (0, 0, 0))
+    return usage
+
+
+@dataclass
+class Instruction:
+    text: str                # without its predicate
+    predicated: bool
+    line: tuple | None       # (file, line) of the source it comes from
+    subroutine: str | None   # the compiler's subroutine it lies in ($__internal_...)
+    label: str | None        # a label just before it
+
+
+def sass_functions(cubin):
+    """{kernel: [Instruction]} from nvdisasm -g (the SASS with the source
+    line of each instruction: the build for these facts adds -lineinfo)."""
+    text = subprocess.run([tool("nvdisasm"), "-g", "-c", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    functions, name, line, subroutine, label = {}, None, None, None, None
+    for raw in text.splitlines():
+        m = re.match(r"\.text\.(\S+):", raw)
+        if m:
+            name, line, subroutine, label = m.group(1), None, None, None
+            functions[name] = []
+            continue
+        m = re.match(r'\s*//## File "(.*)", line (\d+)', raw)
+        if m:
+            line = (m.group(1), int(m.group(2)))
+            continue
+        m = re.match(r"\s*(\$__internal_\S+|\.L_x_\d+):", raw)
+        if m:
+            if m.group(1).startswith("$"):
+                subroutine = m.group(1)
+            label = m.group(1)
+            continue
+        m = INSTRUCTION.search(raw)
+        if m and name:
+            instruction = m.group(2)
+            predicate = re.match(r"@!?U?P\w+ ", instruction)
+            functions[name].append(Instruction(
+                instruction[predicate.end():] if predicate else instruction, bool(predicate),
+                line, subroutine, label))
+            label = None
+    return functions
+
+
+def ptx_contractible(ptx):
+    """Floating-point fma/mad ptxas could have fused, or mul/add/sub without a
+    rounding mode (which ptxas may fuse): what --fmad=true writes."""
+    bad = re.compile(r"^\s*(@%p\d+ )?(mad(\.rn)?\.f(32|64)|(mul|add|sub)(\.ftz)?\.f(32|64))\b")
+    return [line.strip() for line in ptx.splitlines() if bad.match(line)]
+
+
+_SOURCE = {}
+
+
+def source_line(where):
+    """The text of a source line, comments dropped."""
+    path, number = where
+    if path not in _SOURCE:
+        _SOURCE[path] = Path(path).read_text().splitlines() if Path(path).exists() else []
+    lines = _SOURCE[path]
+    return lines[number - 1].split("//")[0] if 0 < number <= len(lines) else ""
+
+
+def fma_census(instructions):
+    """FFMA/DFMA counts: (refining a division or square root, the exact
+    error of a product, other). A refinement lies in the compiler's division,
+    reciprocal or square-root subroutine, or comes from a source line with a
+    division or square root, or reads (a few instructions after) a MUFU
+    approximation; code the compiler hoists out of a loop is attributed to
+    the loop's line, hence the last rule. The exact error is fma(a, b, -p)
+    with p = a * b, as numerics.h's scaled_to_odd computes it (the CPU's fma
+    gives the same exact result). An HFMA2 of zero operands (a move of a
+    constant) is not counted."""
+    # derived: register -> index of the MUFU it derives from. Forward
+    # branches carry it to their targets, where the paths' sets join.
+    derived, products, joins = {}, {}, collections.defaultdict(dict)
+    refining = exact_error = other = 0
+    for i, ins in enumerate(instructions):
+        for q, origin in joins.pop(ins.label, {}).items():
+            derived[q] = max(origin, derived.get(q, origin))
+        op, _, operands = ins.text.partition(" ")
+        base = op.split(".")[0]
+        is_fma = base in FMA_OPS and not (base == "HFMA2"
+                                          and re.match(r"\S+, -?RZ, -?RZ", operands))
+        if ins.subroutine is not None:
+            if is_fma and re.search(r"div|rcp|sqrt", ins.subroutine):
+                refining += 1
+            elif is_fma:
+                other += 1
+            continue
+        if base == "BRA":
+            target = re.search(r"\((\.L_x_\d+)\)", operands)
+            if target:
+                for q, origin in derived.items():
+                    joins[target.group(1)][q] = max(origin, joins[target.group(1)].get(q, origin))
+            if not ins.predicated:
+                derived = {}
+            continue
+        regs = [int(r) for r in REGISTER.findall(operands)]
+        if not regs:
+            continue
+        wide = base.startswith("D") or "64" in op
+        writes = not re.match(r"(ST|RED|ATOM|BAR|.*SETP|FCHK|SHFL|CALL|RET|EXIT)", base)
+        dest, sources = (regs[0], regs[1:]) if writes else (None, regs)
+        origins = [derived[q] for r in sources for q in ((r, r + 1) if wide else (r,))
+                   if q in derived and i - derived[q] <= WINDOW]
+        if is_fma:
+            args = [a.strip() for a in operands.split(",")[1:]]
+            negated = re.fullmatch(r"-R(\d+)(\.reuse)?", args[2]) if len(args) == 3 else None
+            product = sorted(REGISTER.findall(",".join(args[:2])))
+            text = source_line(ins.line) if ins.line else ""
+            if origins or re.search(r"/|sqrt", text):
+                refining += 1
+            elif negated and products.get(int(negated.group(1))) == product:
+                exact_error += 1
+            else:
+                other += 1
+        if dest is not None:
+            products.pop(dest, None)
+            if base in ("FMUL", "DMUL"):
+                products[dest] = sorted(str(r) for r in sources)
+            for q in (dest, dest + 1) if wide else (dest,):
+                if base == "MUFU":
+                    derived[q] = i
+                elif origins:
+                    derived[q] = min(origins)
+                else:
+                    derived.pop(q, None)
+    return refining, exact_error, other
+
+
+def template_name(mangled):
+    demangled = subprocess.run(["c++filt", mangled], capture_output=True, text=True).stdout.strip()
+    demangled = demangled.replace("(anonymous namespace)::", "")
+    return re.split(r"[<(]", demangled)[0].split("::")[-1]
+
+
+def check_file(stem, text, keep):
+    """Rows (kernel, ...) and failures of one file's kernels."""
+    usage = resource_usage(text)
+    ptx = (keep / f"{stem}.ptx").read_text()
+    failures = [f"{stem}.ptx: {line}" for line in ptx_contractible(ptx)[:5]]
+    rows = []
+    for name, instructions in sass_functions(keep / f"{stem}.cubin").items():
+        regs, stack, spill_st, spill_ld = usage.get(name, (None, 0, 0, 0))
+        refining, exact_error, other = fma_census(instructions)
+        atomics = sorted({i.text.split(" ")[0] for i in instructions if FLOAT_ATOMIC.match(i.text)})
+        kernel = template_name(name)
+        if max(spill_st, spill_ld) > SPILL_ALLOWANCE.get(kernel, 0):
+            failures.append(f"{kernel}: {spill_st} bytes spill stores, {spill_ld} loads, more than "
+                            f"its allowance of {SPILL_ALLOWANCE.get(kernel, 0)} ({name})")
+        if other:
+            failures.append(f"{kernel}: {other} FFMA/DFMA neither in a division or square root "
+                            f"nor a product's exact error ({name})")
+        if atomics:
+            failures.append(f"{kernel}: floating-point atomics {atomics} ({name})")
+        rows.append((f"{stem}.cu", kernel, regs, stack, max(spill_st, spill_ld), refining,
+                     exact_error, other, len(atomics)))
+    return rows, failures
+
+
+def summarize(rows):
+    """One line per kernel template: its instantiations' ranges."""
+    groups = collections.defaultdict(list)
+    for row in rows:
+        groups[row[:2]].append(row[2:])
+    print("| file | kernel | instantiations | registers | stack bytes | spill bytes (spilling) | "
+          "FFMA/DFMA refining a division or sqrt | exact product errors | other FMA | "
+          "float atomics |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for (file, kernel), values in sorted(groups.items()):
+        regs = [v[0] for v in values if v[0] is not None]
+        span = lambda xs: f"{min(xs)}-{max(xs)}" if min(xs) != max(xs) else f"{xs[0]}"  # noqa: E731
+        spilling = sum(v[2] > 0 for v in values)
+        print(f"| {file} | {kernel} | {len(values)} | {span(regs) if regs else '?'} | "
+              f"{span([v[1] for v in values])} | {max(v[2] for v in values)} ({spilling}) | "
+              f"{sum(v[3] for v in values)} | {sum(v[4] for v in values)} | "
+              f"{sum(v[5] for v in values)} | {sum(v[6] for v in values)} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("build", type=Path, help="the build's temp directory (build.ninja)")
+    parser.add_argument("out", type=Path, help="where the kept PTX and cubins go")
+    parser.add_argument("--control", action="store_true",
+                        help="also check that a --fmad=true compile of adam.cu fails the check")
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    commands = nvcc_commands(args.build)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        compiled = list(pool.map(lambda c: compile_kept(*c, args.out), commands))
+        if args.control:
+            stem, command, obj = next(c for c in commands if c[0] == "adam")
+            control = pool.submit(compile_kept, "adam",
+                                  command.replace("--fmad=false", "--fmad=true"), obj,
+                                  args.out / "control")
+    rows, failures = [], []
+    for (stem, _, _), (text, keep) in zip(commands, compiled):
+        r, f = check_file(stem, text, keep)
+        rows += r
+        failures += f
+    summarize(rows)
+    if args.control:
+        control_rows, caught = check_file("adam", *control.result())
+        in_sass = [f for f in caught if "FFMA/DFMA" in f]
+        if len(in_sass) < len(control_rows):
+            failures.append(f"control: in adam.cu compiled with --fmad=true the SASS check found "
+                            f"fused multiply-adds in {len(in_sass)} of {len(control_rows)} kernels")
+        else:
+            print(f"\ncontrol: adam.cu compiled with --fmad=true fails the check, as it must: "
+                  f"fused multiply-adds in the SASS of all {len(control_rows)} kernels, "
+                  f"{len(caught) - len(in_sass)} contractible PTX lines shown")
+    for f in failures:
+        print(f"cuda facts: FAILED: {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
