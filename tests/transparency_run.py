@@ -55,7 +55,7 @@ class Block(nn.Module):
         x = self.embed(tokens)
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
         q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        mask = torch.log(torch.tril(torch.ones(n, n, device=tokens.device)))
+        mask = torch.log(torch.tril(torch.ones(n, n, device=tokens.device, dtype=q.dtype)))
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask
         attn = scores.softmax(dim=-1) @ v
         x = x + self.proj(attn.transpose(1, 2).reshape(b, n, -1))
