@@ -2,19 +2,38 @@
 
 #include <c10/util/Exception.h>
 
+#include <string>
+
 #include "cast_common.h"
 
 namespace torchcast {
 namespace {
 
-Compensation parse_compensation(std::string_view s) {
-  if (s == "none") return Compensation::kNone;
-  if (s == "kahan") return Compensation::kKahan;
-  if (s == "remainder") return Compensation::kRemainder;
-  if (s == "stochastic") return Compensation::kStochastic;
-  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan', "
-                    "'remainder' or 'stochastic', got '", std::string(s), "'");
-  return Compensation::kNone;
+// "'none', 'kahan', 'remainder' or 'stochastic'": the table's names.
+std::string compensation_names() {
+  std::string out;
+  for (int i = 0; i < kNumCompensations; ++i) {
+    if (i > 0) out += i + 1 == kNumCompensations ? " or " : ", ";
+    out += std::string("'") + kCompensations[i].name + "'";
+  }
+  return out;
+}
+
+const CompensationInfo& parse_compensation(std::string_view s) {
+  const CompensationInfo* info = find_compensation(s);
+  TORCH_CHECK_VALUE(info != nullptr, "torchcast.adam_step_: compensation must be ",
+                    compensation_names(), ", got '", std::string(s), "'");
+  return *info;
+}
+
+uint32_t param_dtype_bit(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return kParamFloat64;
+    case at::kFloat: return kParamFloat32;
+    case at::kBFloat16: return kParamBFloat16;
+    case at::kHalf: return kParamFloat16;
+    default: return 0;
+  }
 }
 
 bool is_narrow(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
@@ -47,7 +66,8 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   const at::TensorList &params = args.params, &grads = args.grads, &exp_avgs = args.exp_avgs,
                        &exp_avg_sqs = args.exp_avg_sqs, &max_exp_avg_sqs = args.max_exp_avg_sqs,
                        &compensations = args.compensations, &state_steps = args.state_steps;
-  const Compensation mode = parse_compensation(compensation);
+  const CompensationInfo& info = parse_compensation(compensation);
+  const Compensation mode = info.mode;
   const auto n = static_cast<int64_t>(params.size());
   const auto count = [&](at::TensorList l, int64_t want, const char* what) {
     TORCH_CHECK_VALUE(static_cast<int64_t>(l.size()) == want, "torchcast.adam_step_: ",
@@ -65,20 +85,11 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
 
   const at::ScalarType pt = params[0].scalar_type();
   const at::ScalarType st = exp_avgs[0].scalar_type();
-  TORCH_CHECK_TYPE(pt == at::kDouble || pt == at::kFloat || is_narrow(pt),
+  TORCH_CHECK_TYPE(param_dtype_bit(pt) != 0,
                    "torchcast.adam_step_: params must be float64, float32, bfloat16 or float16, "
                    "got ", dtype_name(pt));
-  TORCH_CHECK_TYPE(mode != Compensation::kRemainder || pt == at::kBFloat16,
-                   "torchcast.adam_step_: compensation='remainder' stores float32 master "
-                   "weights as bfloat16 + int16 and needs bfloat16 params, got ", dtype_name(pt),
-                   "; use compensation='kahan'");
-  TORCH_CHECK_TYPE(mode != Compensation::kStochastic || is_narrow(pt),
-                   "torchcast.adam_step_: compensation='stochastic' rounds updates into "
-                   "16-bit params and needs bfloat16 or float16 params, got ", dtype_name(pt),
-                   "; use compensation='kahan'");
-  TORCH_CHECK_TYPE(mode != Compensation::kKahan || pt != at::kDouble,
-                   "torchcast.adam_step_: compensation is for float32, bfloat16 and float16 "
-                   "params, got torch.float64");
+  TORCH_CHECK_TYPE(steps_param(mode, param_dtype_bit(pt)), "torchcast.adam_step_: ", info.needs,
+                   ", got ", dtype_name(pt), "; use compensation='", info.instead, "'");
   check_state_dtype(pt, st, 0);
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
@@ -103,7 +114,7 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
     check_state(exp_avg_sqs[i], "exp_avg_sq");
     if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq");
     if (carries(mode)) {
-      const at::ScalarType ct = mode == Compensation::kRemainder ? at::kShort : pt;
+      const at::ScalarType ct = info.carried == kCarriesInt16 ? at::kShort : pt;
       TORCH_CHECK_TYPE(compensations[i].scalar_type() == ct, "torchcast.adam_step_: ",
                        "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),
                        " but must be ", dtype_name(ct));

@@ -13,19 +13,10 @@
 #include <utility>
 #include <vector>
 
+#include "adam_modes.h"
 #include "numerics.h"
 
 namespace torchcast {
-
-// How a narrow parameter takes the part of its update that rounding would
-// lose: not at all, carried in a buffer (Kahan, remainder), or rounded
-// stochastically (unbiased, nothing stored).
-enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2, kStochastic = 3 };
-
-// Whether the mode keeps a compensation tensor per param.
-constexpr bool carries(Compensation m) {
-  return m == Compensation::kKahan || m == Compensation::kRemainder;
-}
 
 // float64 parameters and states: computed in float64, never compensated.
 struct Float64Storage {
@@ -33,6 +24,16 @@ struct Float64Storage {
   TC_HD static double round(double d) { return d; }
   TC_HD static double widen(double s) { return s; }
 };
+
+// The ParamDtypeBit (adam_modes.h) of a param storage format.
+template <typename PT>
+constexpr uint32_t param_bit() {
+  if constexpr (std::is_same_v<PT, Float64Storage>) return kParamFloat64;
+  if constexpr (std::is_same_v<PT, Float32Target>) return kParamFloat32;
+  if constexpr (std::is_same_v<PT, BFloat16Target>) return kParamBFloat16;
+  if constexpr (std::is_same_v<PT, Float16Target>) return kParamFloat16;
+  return 0;
+}
 
 // The arithmetic type of a storage format: float32 for every narrow format.
 template <typename Target>
@@ -225,9 +226,7 @@ struct AdamElement {
   // The update accounting's arithmetic (tally_element).
   using TallyT = std::conditional_t<sizeof(P) == 2, float, double>;
   static constexpr bool kCarries = carries(M);
-  static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target> ||
-                    std::is_same_v<PT, Float16Target>,
-                "stochastic rounding is implemented for bfloat16 and float16 params");
+  static_assert(steps_param(M, param_bit<PT>()), "adam_modes.h: the mode does not step PT");
 
   // index: the element's position in its tensor (the stochastic counter).
   TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
@@ -367,24 +366,17 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
       tracked(pt, st, m, std::false_type{});
     }
   };
-  using None = std::integral_constant<Compensation, Compensation::kNone>;
-  using Kahan = std::integral_constant<Compensation, Compensation::kKahan>;
-  using Remainder = std::integral_constant<Compensation, Compensation::kRemainder>;
-  using Stochastic = std::integral_constant<Compensation, Compensation::kStochastic>;
+  // Every mode of the table, for the param formats its row allows.
   const auto modes = [&](auto pt, auto st) {
-    using PT = decltype(pt);
-    if constexpr (std::is_same_v<PT, Float64Storage>) {
-      flags(pt, st, None{});
-    } else {
-      if (mode == Compensation::kNone) flags(pt, st, None{});
-      if (mode == Compensation::kKahan) flags(pt, st, Kahan{});
-      if constexpr (std::is_same_v<PT, BFloat16Target>) {
-        if (mode == Compensation::kRemainder) flags(pt, st, Remainder{});
-      }
-      if constexpr (!std::is_same_v<PT, Float32Target>) {
-        if (mode == Compensation::kStochastic) flags(pt, st, Stochastic{});
-      }
-    }
+    constexpr uint32_t kParam = param_bit<decltype(pt)>();
+#define TORCHCAST_COMPENSATION_CASE(e, ...)                                        \
+  if constexpr (steps_param(Compensation::e, kParam)) {                            \
+    if (mode == Compensation::e) {                                                 \
+      flags(pt, st, std::integral_constant<Compensation, Compensation::e>{});       \
+    }                                                                              \
+  }
+    TORCHCAST_COMPENSATIONS(TORCHCAST_COMPENSATION_CASE)
+#undef TORCHCAST_COMPENSATION_CASE
   };
   const auto states = [&](auto pt) {
     if (state_dtype == at::kBFloat16) {

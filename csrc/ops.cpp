@@ -9,6 +9,9 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <utility>
+
+#include "adam_modes.h"
 #include "all_finite.h"
 #include "cast_common.h"
 #include "dtype_watch.h"
@@ -65,6 +68,40 @@ PyObject* format_traits() {
   if (!ok) {
     Py_DECREF(table);
     return nullptr;
+  }
+  return table;
+}
+
+// ((name, carried, param dtypes, instead, needs), ...): adam_modes.h's table
+// of compensation modes, which tests/test_adam_modes.py checks against
+// torchcast/adam_modes.py's. carried: "nothing", "param" (a buffer of the
+// param's dtype) or "int16"; param dtypes: a tuple of dtype names.
+PyObject* adam_compensations() {
+  static constexpr const char* kCarried[] = {"nothing", "param", "int16"};
+  static constexpr std::pair<uint32_t, const char*> kDtypes[] = {
+      {torchcast::kParamFloat64, "float64"}, {torchcast::kParamFloat32, "float32"},
+      {torchcast::kParamBFloat16, "bfloat16"}, {torchcast::kParamFloat16, "float16"}};
+  PyObject* table = PyTuple_New(torchcast::kNumCompensations);
+  if (table == nullptr) return nullptr;
+  for (int i = 0; i < torchcast::kNumCompensations; ++i) {
+    const torchcast::CompensationInfo& c = torchcast::kCompensations[i];
+    PyObject* names = PyList_New(0);
+    for (const auto& [bit, name] : kDtypes) {
+      if (names == nullptr || (c.param_dtypes & bit) == 0) continue;
+      PyObject* item = PyUnicode_FromString(name);
+      if (item == nullptr || PyList_Append(names, item) < 0) Py_CLEAR(names);
+      Py_XDECREF(item);
+    }
+    PyObject* dtypes = names == nullptr ? nullptr : PyList_AsTuple(names);
+    Py_XDECREF(names);
+    PyObject* row = dtypes == nullptr ? nullptr
+                                      : Py_BuildValue("(ssNss)", c.name, kCarried[c.carried],
+                                                      dtypes, c.instead, c.needs);
+    if (row == nullptr) {
+      Py_DECREF(table);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(table, i, row);
   }
   return table;
 }
@@ -414,6 +451,13 @@ PyObject* PyInit__C(void) {
   PyObject* formats = format_traits();
   if (formats == nullptr || PyModule_AddObject(module, "format_traits", formats) < 0) {
     Py_XDECREF(formats);
+    Py_DECREF(module);
+    return nullptr;
+  }
+  PyObject* compensations = adam_compensations();
+  if (compensations == nullptr ||
+      PyModule_AddObject(module, "adam_compensations", compensations) < 0) {
+    Py_XDECREF(compensations);
     Py_DECREF(module);
     return nullptr;
   }

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..adam_modes import COMPENSATIONS, compensation_names, refusal
 from .compensated import neumaier_add, settled
 
 
@@ -190,7 +191,7 @@ def _tally(stats, p, p_old, intended, mode, c):
     add = [p.numel(), int(updated.sum()), int((updated & (change == 0)).sum()),
            int((updated & (2.0 * change.abs() < intended.abs())).sum()), 0]
     q_max = 0
-    if mode in ("kahan", "remainder"):
+    if c is not None:
         p_new = p.float()
         carried = c.float() if mode == "kahan" else join_bf16_remainder(p, c) - p_new
         ulp = (flip_last_bit(p).float() - p_new).abs()
@@ -247,6 +248,7 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
 
 
 _NARROW = (torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float64, torch.float32) + _NARROW
 
 
 def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
@@ -256,10 +258,10 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     def fail(kind, message):
         raise kind(f"torchcast.adam_step_: {message}")
 
-    if compensation not in ("none", "kahan", "remainder", "stochastic"):
-        fail(ValueError, "compensation must be 'none', 'kahan', 'remainder' or 'stochastic', "
-                         f"got '{compensation}'")
-    carries = compensation in ("kahan", "remainder")
+    mode = COMPENSATIONS.get(compensation)
+    if mode is None:
+        fail(ValueError, f"compensation must be {compensation_names()}, got '{compensation}'")
+    carries = mode.carried is not None
     n = len(params)
     for lst, want, what in ((grads, n, "grads"), (exp_avgs, n, "exp_avgs"),
                             (exp_avg_sqs, n, "exp_avg_sqs"),
@@ -274,17 +276,10 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     if n == 0:
         return
     pt, st = params[0].dtype, exp_avgs[0].dtype
-    if pt not in (torch.float64, torch.float32) + _NARROW:
+    if pt not in _PARAM_DTYPES:
         fail(TypeError, f"params must be float64, float32, bfloat16 or float16, got {pt}")
-    if compensation == "remainder" and pt != torch.bfloat16:
-        fail(TypeError, "compensation='remainder' stores float32 master weights as bfloat16 + "
-                        f"int16 and needs bfloat16 params, got {pt}; use compensation='kahan'")
-    if compensation == "stochastic" and pt not in _NARROW:
-        fail(TypeError, "compensation='stochastic' rounds updates into 16-bit params and needs "
-                        f"bfloat16 or float16 params, got {pt}; use compensation='kahan'")
-    if compensation == "kahan" and pt == torch.float64:
-        fail(TypeError, "compensation is for float32, bfloat16 and float16 params, got "
-                        "torch.float64")
+    if refusal(compensation, pt):
+        fail(TypeError, f"{mode.needs}, got {pt}; use compensation='{mode.instead}'")
     if not (st in (torch.float32, torch.bfloat16) if pt in _NARROW else st == pt):
         fail(TypeError, f"param 0 is {pt} but its optimizer states are {st}; supported: "
                         "float32 or bfloat16 states for bfloat16/float16 params, the param's "
@@ -300,7 +295,7 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
         if t.device != p.device:
             fail(RuntimeError, f"{what} {i} is on {t.device} but its param is on {p.device}")
 
-    comp_dtype = torch.int16 if compensation == "remainder" else pt
+    comp_dtype = mode.carried_dtype(pt)
     for i, p in enumerate(params):
         if p.layout != torch.strided:
             fail(ValueError, f"param {i} is not a dense tensor")
@@ -353,7 +348,7 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     """torch.ops.torchcast.adam_step_ in pure PyTorch."""
     check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, amsgrad, compensation, update_stats)
-    carries = compensation in ("kahan", "remainder")
+    carries = COMPENSATIONS[compensation].carried is not None
     if not params:
         return
     if found_inf is not None and found_inf.item() != 0:

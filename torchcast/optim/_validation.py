@@ -12,8 +12,11 @@ read (``is_dtensor``, ``real_dtype``)."""
 import torch
 
 from .. import _ops
+from ..adam_modes import COMPENSATIONS, compensation_names, refusal
 
 _STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+# The compensation options of the optimizer: every mode but "none" (compensated=False).
+_OPTIONS = tuple(m for m in COMPENSATIONS if m != "none")
 _STEP_DTYPES = (torch.float32, torch.float64)
 _MISSING = object()
 _DTENSOR = None  # torch.distributed.tensor.DTensor once looked up, False without it
@@ -238,27 +241,19 @@ def check_param(name, group, gi, i, p, mode) -> None:
     if not (p.is_floating_point() or p.is_complex()):
         raise TypeError(f"torchcast.optim.{name}: {where} is not floating point; "
                         "only floating-point params can be optimized")
-    if group["compensation"] not in ("kahan", "remainder", "stochastic"):
-        raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan', "
-                         f"'remainder' or 'stochastic', got {group['compensation']!r}")
+    if group["compensation"] not in _OPTIONS:
+        raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be "
+                         f"{compensation_names(_OPTIONS)}, got {group['compensation']!r}")
     if group["state_dtype"] not in _STATE_DTYPES:
         raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype must be None, "
                          f"torch.float32 or torch.bfloat16, got {group['state_dtype']}")
     dtype = real_dtype(p)
-    if mode == "kahan" and dtype == torch.float64:
-        raise ValueError(f"torchcast.optim.{name}: {where}: compensation is for float32, "
-                         "bfloat16 and float16 params; float64 needs none "
-                         "(pass compensated=None or False)")
-    if mode == "remainder" and (dtype != torch.bfloat16 or p.is_complex()):
-        raise ValueError(
-            f"torchcast.optim.{name}: {where}: compensation='remainder' holds float32 "
-            "master weights as bfloat16 + int16 and needs bfloat16 params; use "
-            "compensation='kahan' for this one (e.g. in its own param group)")
-    if mode == "stochastic" and dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"torchcast.optim.{name}: {where}: compensation='stochastic' rounds updates "
-            "into 16-bit params and needs bfloat16 or float16 params; use "
-            "compensation='kahan' for this one (e.g. in its own param group)")
+    needs = refusal(mode, dtype)
+    if needs:
+        instead = COMPENSATIONS[mode].instead
+        fix = ("float64 needs none (pass compensated=None or False)" if instead == "none" else
+               f"use compensation='{instead}' for this one (e.g. in its own param group)")
+        raise ValueError(f"torchcast.optim.{name}: {where}: {needs}; {fix}")
     # complex32 is the one complex dtype of a narrow (float16) real part.
     if p.dtype == torch.complex32 and group["state_dtype"] == torch.bfloat16:
         raise ValueError(f"torchcast.optim.{name}: {where}: there is no complex bfloat16 "
