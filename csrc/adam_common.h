@@ -48,6 +48,11 @@ struct ComputeOf<Float64Storage> {
 TC_HD float tc_sqrt(float x) { return sqrtf(x); }
 TC_HD double tc_sqrt(double x) { return sqrt(x); }
 TC_HD float tc_abs(float x) { return fabsf(x); }
+// a * b + c rounded once, where ATen's CPU kernels fuse them (lerp, add with
+// alpha, addcmul on AVX2 and AVX-512): explicit, so that -ffp-contract=off
+// and --fmad=false leave every other product and sum rounded on its own.
+TC_HD float tc_fma(float a, float b, float c) { return fmaf(a, b, c); }
+TC_HD double tc_fma(double a, double b, double c) { return fma(a, b, c); }
 
 // An unsigned integer as wide as T, and a select by a mask of all ones or all
 // zeros in it: gcc does not vectorize a ?: on a loop-invariant bool, but it
@@ -67,8 +72,9 @@ MaskOf<T> mask_of(bool flag) {
 
 // Constants of one step of one parameter group, rounded once to the compute
 // type from the float64 hyperparameters (as torch rounds its Python-float
-// scalars), so that the uncompensated float32 step follows torch.optim.Adam
-// (to a rounding per step: torch divides by sqrt(1 - beta2^step)).
+// scalars), so that the uncompensated float32 step is torch.optim.Adam's
+// (foreach=False) operation for operation: docs/adam.md says where the bits
+// can still differ (torch's square root).
 // The flags are masks for blend(), uniform over the loop.
 template <typename T>
 struct AdamConsts {
@@ -82,13 +88,15 @@ struct AdamConsts {
   MaskOf<T> use_l2, lerp_small, use_decay;
 };
 
-// Constants that depend on the parameter's own step count.
-// The bias correction of the second moment is a multiply by a reciprocal
-// rounded once, not a division per element: divisions and square roots are
-// what the compensated loops spend their time on.
+// Constants that depend on the parameter's own step count. The steps that
+// give float32 Adam's bits (kDividesByBc2) divide by sqrt(1 - beta2^step) as
+// torch does; Kahan and stochastic rounding, whose results are not float32
+// Adam's anyway, multiply by its reciprocal rounded once: divisions and
+// square roots are what their compute-bound loops spend their time on.
 template <typename T>
 struct AdamTensorConsts {
   T neg_step_size;     // -lr / (1 - beta1^step)
+  T bc2_sqrt;          // (1 - beta2^step) ** 0.5, as Python computes it
   T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
   StochasticKey key;   // compensation="stochastic": of (seed, tensor, step)
 };
@@ -143,7 +151,7 @@ template <typename T>
 AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step, size_t tensor) {
   const double bc2 = 1.0 - std::pow(h.beta2, step);
   return {neg_step_size_of<T>(h.lr, bias_correction1(h, step)),
-          static_cast<T>(1.0 / std::sqrt(bc2)),
+          static_cast<T>(std::pow(bc2, 0.5)), static_cast<T>(1.0 / std::sqrt(bc2)),
           stochastic_key(h.seed, tensor, static_cast<uint64_t>(step))};
 }
 
@@ -226,6 +234,9 @@ struct AdamElement {
   // The update accounting's arithmetic (tally_element).
   using TallyT = std::conditional_t<sizeof(P) == 2, float, double>;
   static constexpr bool kCarries = carries(M);
+  // The second moment's bias correction divides where the result is float32
+  // Adam's (the plain step, and remainder's float32 master).
+  static constexpr bool kDividesByBc2 = M == Compensation::kNone || M == Compensation::kRemainder;
   static_assert(steps_param(M, param_bit<PT>()), "adam_modes.h: the mode does not step PT");
 
   // index: the element's position in its tensor (the stochastic counter).
@@ -238,12 +249,15 @@ struct AdamElement {
     } else {
       pv = PT::widen(p);
     }
+    // torch.optim.Adam's operations, fused where ATen fuses them:
+    // grad.add(param, alpha=wd), exp_avg.lerp_(grad, 1 - beta1),
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
     T gr = PT::widen(g) * k.grad_sign;
-    gr = blend(k.use_l2, gr + k.l2 * pv, gr);
+    gr = blend(k.use_l2, tc_fma(pv, k.l2, gr), gr);
 
     const T mo = ST::widen(m);
-    const T mn = blend(k.lerp_small, mo + k.lerp_w * (gr - mo), gr - (gr - mo) * k.lerp_wc);
-    const T vn = ST::widen(v) * k.beta2 + (k.one_minus_beta2 * gr) * gr;
+    const T mn = blend(k.lerp_small, tc_fma(k.lerp_w, gr - mo, mo), tc_fma(-k.lerp_wc, gr - mo, gr));
+    const T vn = tc_fma(k.one_minus_beta2 * gr, gr, ST::widen(v) * k.beta2);
     // The stored (possibly bfloat16) moments drive the update, so a step is
     // reproducible from the saved state.
     m = ST::round(mn);
@@ -253,7 +267,7 @@ struct AdamElement {
       vmax = ST::round(max_nan(ST::widen(vmax), vv));
       vv = ST::widen(vmax);
     }
-    const T denom = tc_sqrt(vv) * t.inv_bc2_sqrt + k.eps;
+    const T denom = (kDividesByBc2 ? tc_sqrt(vv) / t.bc2_sqrt : tc_sqrt(vv) * t.inv_bc2_sqrt) + k.eps;
     const T upd = (t.neg_step_size * ST::widen(m)) / denom;
 
     // The intended update: upd minus lr * wd * w under decoupled decay, in

@@ -16,6 +16,7 @@ import torch
 
 from ..adam_modes import COMPENSATIONS, compensation_names, refusal
 from .compensated import neumaier_add, settled
+from .rounding import fma
 
 
 def compute_dtype(param_dtype):
@@ -48,8 +49,9 @@ def tensor_constants(compute, lr, beta1, beta2, step, seed=0, tensor=0):
     for stochastic rounding, its key from the seed and its position
     ``tensor`` in the op's lists)."""
     r = _rounder(compute)
+    bc2 = 1.0 - beta2 ** step
     return SimpleNamespace(neg_step_size=r(-(lr / (1.0 - beta1 ** step))),
-                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)),
+                           bc2_sqrt=r(bc2 ** 0.5), inv_bc2_sqrt=r(1.0 / math.sqrt(bc2)),
                            key=stochastic_key(seed, tensor, int(step)))
 
 
@@ -211,20 +213,23 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
     pv = join_bf16_remainder(p, c) if mode == "remainder" else p.to(compute)
     gr = g.to(compute) * k.grad_sign
     if k.use_l2:
-        gr = gr + k.l2 * pv
+        gr = fma(pv, k.l2, gr)
     mo = m.to(compute)
     if k.lerp_small:
-        mn = mo + k.lerp_w * (gr - mo)
+        mn = fma(k.lerp_w, gr - mo, mo)
     else:
-        mn = gr - (gr - mo) * k.lerp_wc
-    vn = v.to(compute) * k.beta2 + (k.one_minus_beta2 * gr) * gr
+        mn = fma(-k.lerp_wc, gr - mo, gr)
+    vn = fma(k.one_minus_beta2 * gr, gr, v.to(compute) * k.beta2)
     m.copy_(mn)
     v.copy_(vn)
     vv = v.to(compute)
     if amsgrad:
         vmax.copy_(torch.maximum(vmax.to(compute), vv))
         vv = vmax.to(compute)
-    denom = _sqrt(vv) * t.inv_bc2_sqrt + k.eps
+    if mode in ("none", "remainder"):  # adam_common.h kDividesByBc2
+        denom = _sqrt(vv) / t.bc2_sqrt + k.eps
+    else:
+        denom = _sqrt(vv) * t.inv_bc2_sqrt + k.eps
     upd = (t.neg_step_size * m.to(compute)) / denom
     if mode == "none":
         p.copy_(pv * k.decay + upd)
