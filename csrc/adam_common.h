@@ -239,53 +239,70 @@ struct AdamElement {
   static constexpr bool kDividesByBc2 = M == Compensation::kNone || M == Compensation::kRemainder;
   static_assert(steps_param(M, param_bit<PT>()), "adam_modes.h: the mode does not step PT");
 
-  // index: the element's position in its tensor (the stochastic counter).
-  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
-                         P& p, P g, S& m, S& v, S& vmax, C& c, ElementTally& tally) {
-    const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
-    T pv;
+  // The weight the step starts from: the stored param, or for remainder the
+  // float32 master it and its remainder hold.
+  TC_HD static T weight_of(P p, C c) {
     if constexpr (M == Compensation::kRemainder) {
-      pv = join_bf16_remainder(p, c);
+      return join_bf16_remainder(p, c);
     } else {
-      pv = PT::widen(p);
+      return PT::widen(p);
     }
+  }
+
+  // This step's moments of one element from the old ones (mo, vo and, under
+  // amsgrad, the old max xo): mn, vn and the new max xn. Returns the update
+  // of the weight pv: -lr * m_hat / (sqrt(v_hat) + eps), and in the
+  // compensated modes minus lr * wd * pv under decoupled decay (the plain
+  // step scales the weight by a rounded 1 - lr * wd instead, in apply).
+  TC_HD static T update_of(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, T pv, P g, T mo,
+                           T vo, T xo, T& mn, T& vn, T& xn) {
     // torch.optim.Adam's operations, fused where ATen fuses them:
     // grad.add(param, alpha=wd), exp_avg.lerp_(grad, 1 - beta1),
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
     T gr = PT::widen(g) * k.grad_sign;
     gr = blend(k.use_l2, tc_fma(pv, k.l2, gr), gr);
-
-    const T mo = ST::widen(m);
-    const T mn = blend(k.lerp_small, tc_fma(k.lerp_w, gr - mo, mo), tc_fma(-k.lerp_wc, gr - mo, gr));
-    const T vn = tc_fma(k.one_minus_beta2 * gr, gr, ST::widen(v) * k.beta2);
-    // The stored (possibly bfloat16) moments drive the update, so a step is
-    // reproducible from the saved state.
-    m = ST::round(mn);
-    v = ST::round(vn);
-    T vv = ST::widen(v);
+    mn = blend(k.lerp_small, tc_fma(k.lerp_w, gr - mo, mo), tc_fma(-k.lerp_wc, gr - mo, gr));
+    vn = tc_fma(k.one_minus_beta2 * gr, gr, vo * k.beta2);
+    // This step's moments drive its update as computed; the stored ones are
+    // rounded to the state's format by the caller, for the next step (which
+    // reads them back, so a run resumed from a state dict steps alike).
+    // Rounding for the store only keeps it off the update's chain of
+    // dependent operations, the chain whose length bounds the loop's speed.
+    T vv = vn;
     if constexpr (kAmsgrad) {
-      vmax = ST::round(max_nan(ST::widen(vmax), vv));
-      vv = ST::widen(vmax);
+      xn = max_nan(xo, vn);
+      vv = xn;
     }
     const T denom = (kDividesByBc2 ? tc_sqrt(vv) / t.bc2_sqrt : tc_sqrt(vv) * t.inv_bc2_sqrt) + k.eps;
-    const T upd = (t.neg_step_size * ST::widen(m)) / denom;
+    const T upd = (t.neg_step_size * mn) / denom;
+    if constexpr (M == Compensation::kNone) {
+      return upd;
+    } else {
+      // Compensated, decoupled decay joins the update rather than scaling
+      // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
+      return blend(k.use_decay, upd - k.lr_wd * pv, upd);
+    }
+  }
 
-    // The intended update: upd minus lr * wd * w under decoupled decay, in
+  // The param (and its compensation) stepped from the weight pv by the
+  // update u of update_of; index: the element's position in its tensor (the
+  // stochastic counter).
+  TC_HD static void apply(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
+                          T pv, T u, P& p, C& c, ElementTally& tally) {
+    const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
+    // The intended update: u minus lr * wd * w under decoupled decay, in
     // float64 (the product exact: 24 + 24 bits), then in the tally's type.
     // The plain step scales the weight by a rounded 1 - lr * wd instead,
     // whose rounding is then part of what the accounting sees; the
     // compensated modes compute the same float32 u.
     TallyT intended = 0;
     if constexpr (M == Compensation::kNone) {
-      p = PT::round(pv * k.decay + upd);
+      p = PT::round(pv * k.decay + u);
       if constexpr (kTrack) {
         const double lr_wd = static_cast<double>(blend(k.use_decay, k.lr_wd, T(0)));
-        intended = static_cast<TallyT>(static_cast<double>(upd) - lr_wd * static_cast<double>(pv));
+        intended = static_cast<TallyT>(static_cast<double>(u) - lr_wd * static_cast<double>(pv));
       }
     } else {
-      // Compensated, decoupled decay joins the update rather than scaling
-      // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
-      const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
       if constexpr (M == Compensation::kKahan) {
         kahan_update<PT>(pv, p, c, u);
       } else if constexpr (M == Compensation::kRemainder) {
@@ -301,6 +318,19 @@ struct AdamElement {
       if constexpr (kTrack) intended = static_cast<TallyT>(u);
     }
     if constexpr (kTrack) tally_element(p, p_old, intended, c, tally);
+  }
+
+  // One whole element step: update_of, the moments rounded to ST, apply.
+  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
+                         P& p, P g, S& m, S& v, S& vmax, C& c, ElementTally& tally) {
+    const T pv = weight_of(p, c);
+    T mn, vn, xn{};
+    const T u = update_of(k, t, pv, g, ST::widen(m), ST::widen(v),
+                          kAmsgrad ? ST::widen(vmax) : T(0), mn, vn, xn);
+    m = ST::round(mn);
+    v = ST::round(vn);
+    if constexpr (kAmsgrad) vmax = ST::round(xn);
+    apply(k, t, index, pv, u, p, c, tally);
   }
 
   // The update accounting of one element: p and c after the step, p_old the
@@ -337,6 +367,32 @@ struct AdamElement {
       tally.comp_units = static_cast<int32_t>(bit_cast<float>(clamped));
       tally.comp_max_bits = clamped;
     }
+  }
+
+  // The CPU loop's two passes over a tile, on element j of the operand
+  // arrays: moments_at updates the moments and returns the update (update_of),
+  // apply_at applies it (element `index` of the tensor). Two short loops keep
+  // more elements in flight than one long chain per element.
+  TC_HD static T moments_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
+                            const P* p, P g, S* m, S* v, S* vmax, const C* c) {
+    C cj{};
+    if constexpr (kCarries) cj = c[j];
+    T mn, vn, xn{};
+    const T u = update_of(k, t, weight_of(p[j], cj), g, ST::widen(m[j]), ST::widen(v[j]),
+                          kAmsgrad ? ST::widen(vmax[j]) : T(0), mn, vn, xn);
+    m[j] = ST::round(mn);
+    v[j] = ST::round(vn);
+    if constexpr (kAmsgrad) vmax[j] = ST::round(xn);
+    return u;
+  }
+  TC_HD static void apply_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
+                             int64_t index, T u, P* p, C* c, ElementTally& tally) {
+    P pj = p[j];
+    C cj{};
+    if constexpr (kCarries) cj = c[j];
+    apply(k, t, index, weight_of(pj, cj), u, pj, cj, tally);
+    p[j] = pj;
+    if constexpr (kCarries) c[j] = cj;
   }
 
   // step() on element j of the operand arrays (element `index` of the

@@ -23,7 +23,10 @@ using Elem = AdamElement<PT, ST, M, kAmsgrad, kTrack>;
 // The hot loop over elements [first, first + n) of a tensor (the operand
 // pointers start at element first), returning its update tally (all zero
 // without kTrack). Unused operands (vmax without amsgrad, c without
-// compensation) are never touched.
+// compensation) are never touched. Each tile of kTallyBlock elements takes
+// two passes: the moments and updates (into a buffer in L1), then the
+// params; two short chains of dependent operations per element overlap
+// across more elements than one long one.
 template <typename PT, typename ST, Compensation M, bool kAmsgrad, bool kTrack>
 TC_CPU_CLONES UpdateTally adam_run(
     const AdamConsts<typename Elem<PT, ST, M, kAmsgrad, kTrack>::T>& consts,
@@ -33,24 +36,29 @@ TC_CPU_CLONES UpdateTally adam_run(
     typename ST::storage* __restrict__ vmax,
     typename Elem<PT, ST, M, kAmsgrad, kTrack>::C* __restrict__ c, int64_t first, int64_t n) {
   using E = Elem<PT, ST, M, kAmsgrad, kTrack>;
-  const AdamConsts<typename E::T> k = consts;
+  using T = typename E::T;
+  const AdamConsts<T> k = consts;
   UpdateTally out;
-  if constexpr (!kTrack) {
-    ElementTally unused;
-    for (int64_t j = 0; j < n; ++j) {
-      E::step_at(k, tconsts, j, first + j, p, g[j], m, v, vmax, c, unused);
+  T u[kTallyBlock];
+  for (int64_t b = 0; b < n; b += kTallyBlock) {
+    const int64_t end = std::min(n - b, kTallyBlock);
+    for (int64_t j = 0; j < end; ++j) {
+      u[j] = E::moments_at(k, tconsts, b + j, p, g[b + j], m, v, vmax, c);
     }
-  } else {
-    // Blocks of kTallyBlock elements summed in plain int32 locals, which gcc
-    // keeps in vector registers of full width (checked with -fopt-info-vec:
-    // every tracked loop vectorizes for x86-64-v4 and v3).
-    for (int64_t b = 0; b < n; b += kTallyBlock) {
-      const int64_t end = std::min(n, b + kTallyBlock);
+    if constexpr (!kTrack) {
+      ElementTally unused;
+      for (int64_t j = 0; j < end; ++j) {
+        E::apply_at(k, tconsts, b + j, first + b + j, u[j], p, c, unused);
+      }
+    } else {
+      // Summed in plain int32 locals, which gcc keeps in vector registers of
+      // full width (checked with -fopt-info-vec: every tracked loop
+      // vectorizes for x86-64-v4 and v3).
       int32_t updated = 0, lost = 0, shrunk = 0, comp_units = 0;
       uint32_t comp_max_bits = 0;
-      for (int64_t j = b; j < end; ++j) {
+      for (int64_t j = 0; j < end; ++j) {
         ElementTally e;
-        E::step_at(k, tconsts, j, first + j, p, g[j], m, v, vmax, c, e);
+        E::apply_at(k, tconsts, b + j, first + b + j, u[j], p, c, e);
         updated += e.updated;
         lost += e.lost;
         shrunk += e.shrunk;

@@ -220,17 +220,18 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
     else:
         mn = fma(-k.lerp_wc, gr - mo, gr)
     vn = fma(k.one_minus_beta2 * gr, gr, v.to(compute) * k.beta2)
+    # This step's moments drive its update; the stored ones are rounded.
     m.copy_(mn)
     v.copy_(vn)
-    vv = v.to(compute)
+    vv = vn
     if amsgrad:
-        vmax.copy_(torch.maximum(vmax.to(compute), vv))
-        vv = vmax.to(compute)
+        vv = torch.maximum(vmax.to(compute), vn)
+        vmax.copy_(vv)
     if mode in ("none", "remainder"):  # adam_common.h kDividesByBc2
         denom = _sqrt(vv) / t.bc2_sqrt + k.eps
     else:
         denom = _sqrt(vv) * t.inv_bc2_sqrt + k.eps
-    upd = (t.neg_step_size * m.to(compute)) / denom
+    upd = (t.neg_step_size * mn) / denom
     if mode == "none":
         p.copy_(pv * k.decay + upd)
         if stats is not None:
