@@ -39,12 +39,13 @@ uint32_t param_dtype_bit(at::ScalarType t) {
 bool is_narrow(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
 void check_state_dtype(at::ScalarType param, at::ScalarType state, int64_t i) {
-  const bool ok = is_narrow(param) ? (state == at::kFloat || state == at::kBFloat16)
-                                   : state == param;
+  const bool ok = is_narrow(param)
+                      ? (state == at::kFloat || state == at::kBFloat16 || state == at::kChar)
+                      : state == param;
   TORCH_CHECK_TYPE(ok, "torchcast.adam_step_: param ", i, " is ", dtype_name(param),
                    " but its optimizer states are ", dtype_name(state),
-                   "; supported: float32 or bfloat16 states for bfloat16/float16 params, the "
-                   "param's own dtype for float32/float64 params");
+                   "; supported: float32, bfloat16 or 8-bit (int8) states for bfloat16/float16 "
+                   "params, the param's own dtype for float32/float64 params");
 }
 
 void check_same_shape(const at::Tensor& p, const at::Tensor& t, const char* what, int64_t i) {
@@ -91,6 +92,16 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   TORCH_CHECK_TYPE(steps_param(mode, param_dtype_bit(pt)), "torchcast.adam_step_: ", info.needs,
                    ", got ", dtype_name(pt), "; use compensation='", info.instead, "'");
   check_state_dtype(pt, st, 0);
+  const bool eight_bit = st == at::kChar;
+  const at::ScalarType sqt = eight_bit ? at::kByte : st;
+  TORCH_CHECK_VALUE(eight_bit == args.moment_scales.has_value(), "torchcast.adam_step_: ",
+                    eight_bit ? "8-bit moments (int8 exp_avgs) need moment_scales"
+                              : "moment_scales are for 8-bit moments (int8 exp_avgs), but "
+                                "exp_avg 0 is ",
+                    eight_bit ? "" : dtype_name(st));
+  TORCH_CHECK_VALUE(!(eight_bit && amsgrad), "torchcast.adam_step_: amsgrad is not supported "
+                    "with 8-bit moments; use float32 or bfloat16 states");
+  if (eight_bit) count(*args.moment_scales, n, "moment_scales");
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK_VALUE(p.layout() == at::kStrided, "torchcast.adam_step_: param ", i,
@@ -105,16 +116,32 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
                      dtype_name(grads[i].scalar_type()), " but its param is ", dtype_name(pt),
                      "; cast the gradient to the param's dtype");
     check_same_shape(p, grads[i], "grad", i);
-    const auto check_state = [&](const at::Tensor& s, const char* what) {
-      TORCH_CHECK_TYPE(s.scalar_type() == st, "torchcast.adam_step_: ", what, " ", i, " is ",
-                       dtype_name(s.scalar_type()), " but exp_avg 0 is ", dtype_name(st));
+    const auto check_state = [&](const at::Tensor& s, const char* what, at::ScalarType want) {
+      TORCH_CHECK_TYPE(s.scalar_type() == want, "torchcast.adam_step_: ", what, " ", i, " is ",
+                       dtype_name(s.scalar_type()), " but exp_avg 0 is ", dtype_name(st),
+                       eight_bit ? " (8-bit moments: exp_avg_sq is uint8)" : "");
       check_same_shape(p, s, what, i);
     };
-    check_state(exp_avgs[i], "exp_avg");
-    check_state(exp_avg_sqs[i], "exp_avg_sq");
-    if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq");
+    check_state(exp_avgs[i], "exp_avg", st);
+    check_state(exp_avg_sqs[i], "exp_avg_sq", sqt);
+    if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq", st);
+    if (eight_bit) {
+      const at::Tensor& sc = (*args.moment_scales)[i];
+      const int64_t blocks = (p.numel() + Moments8::kBlock - 1) / Moments8::kBlock;
+      TORCH_CHECK_VALUE(sc.scalar_type() == at::kFloat && sc.layout() == at::kStrided &&
+                            sc.dim() == 2 && sc.size(0) == 2 && sc.size(1) == blocks &&
+                            sc.is_contiguous(),
+                        "torchcast.adam_step_: moment_scales ", i, " must be a contiguous "
+                        "float32 tensor of shape (2, ", blocks, ") (one scale per moment and "
+                        "block of ", Moments8::kBlock, " elements), got ",
+                        dtype_name(sc.scalar_type()), " of shape ", sc.sizes());
+      TORCH_CHECK(sc.device() == p.device(), "torchcast.adam_step_: moment_scales ", i,
+                  " is on ", sc.device(), " but its param is on ", p.device());
+    }
     if (carries(mode)) {
-      const at::ScalarType ct = info.carried == kCarriesInt16 ? at::kShort : pt;
+      const at::ScalarType ct = info.carried == kCarriesInt16 ? at::kShort
+                                 : info.carried == kCarriesInt8 ? at::kChar
+                                                                : pt;
       TORCH_CHECK_TYPE(compensations[i].scalar_type() == ct, "torchcast.adam_step_: ",
                        "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),
                        " but must be ", dtype_name(ct));

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "adam_modes.h"
+#include "adam_moments8.h"
 #include "numerics.h"
 
 namespace torchcast {
@@ -98,7 +99,8 @@ struct AdamTensorConsts {
   T neg_step_size;     // -lr / (1 - beta1^step)
   T bc2_sqrt;          // (1 - beta2^step) ** 0.5, as Python computes it
   T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
-  StochasticKey key;   // compensation="stochastic": of (seed, tensor, step)
+  StochasticKey key;   // the param's random bits (stochastic, remainder8): of (seed, tensor, step)
+  StochasticKey moment_key;  // 8-bit moments' random bits: another stream of the same seed
 };
 
 struct AdamHyper {
@@ -145,6 +147,10 @@ inline double bias_correction1(const AdamHyper& h, double step) {
   return 1.0 - std::pow(h.beta1, step);
 }
 
+// The step counts' top bit, never set in a count: the 8-bit moments' random
+// bits are keyed by the count with it set, a stream apart from the param's.
+constexpr uint64_t kMomentStream = uint64_t{1} << 63;
+
 // The constants of tensor `tensor` (its position in the op's lists) at its
 // step count `step` (after the increment).
 template <typename T>
@@ -152,7 +158,8 @@ AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step, size_t t
   const double bc2 = 1.0 - std::pow(h.beta2, step);
   return {neg_step_size_of<T>(h.lr, bias_correction1(h, step)),
           static_cast<T>(std::pow(bc2, 0.5)), static_cast<T>(1.0 / std::sqrt(bc2)),
-          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step))};
+          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step)),
+          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step) ^ kMomentStream)};
 }
 
 // torch.maximum: NaN in either operand gives NaN.
@@ -171,6 +178,12 @@ enum UpdateStat : int {
   kStatShrunk,    // of those, whose stored param changed by less than half of it
   kStatCompSum,   // sum of |compensation| / ulp(param), in units of 2^-20
   kStatCompMax,   // max of the same
+  // 8-bit moments (MomentTally): elements whose exp_avg, exp_avg_sq was
+  // stored as code 0 though not zero, or off by more than half of itself
+  kStatExpAvgLost,
+  kStatExpAvgOff,
+  kStatExpAvgSqLost,
+  kStatExpAvgSqOff,
   kNumUpdateStats
 };
 // 2^20 units per ulp: integers add in any order to the same total, so the
@@ -190,12 +203,14 @@ constexpr int64_t kTallyBlock = 256;
 struct ElementTally {
   int32_t updated = 0, lost = 0, shrunk = 0, comp_units = 0;
   uint32_t comp_max_bits = 0;  // float units, clamped to [0, kCompCap]
+  MomentTally moments;         // 8-bit moments only
 };
 
 // One thread's tally of the update accounting over the elements it stepped.
 struct UpdateTally {
   int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0;
   uint32_t comp_max_bits = 0;
+  int64_t m_lost = 0, m_off = 0, v_lost = 0, v_off = 0;
 
   TC_HD void add(const ElementTally& e) {
     updated += e.updated;
@@ -203,6 +218,10 @@ struct UpdateTally {
     shrunk += e.shrunk;
     comp_sum += e.comp_units;
     comp_max_bits = comp_max_bits > e.comp_max_bits ? comp_max_bits : e.comp_max_bits;
+    m_lost += e.moments.m_lost;
+    m_off += e.moments.m_off;
+    v_lost += e.moments.v_lost;
+    v_off += e.moments.v_off;
   }
   TC_HD void merge(const UpdateTally& o) {
     updated += o.updated;
@@ -210,6 +229,10 @@ struct UpdateTally {
     shrunk += o.shrunk;
     comp_sum += o.comp_sum;
     comp_max_bits = comp_max_bits > o.comp_max_bits ? comp_max_bits : o.comp_max_bits;
+    m_lost += o.m_lost;
+    m_off += o.m_off;
+    v_lost += o.v_lost;
+    v_off += o.v_off;
   }
   // The kStatCompMax entry: the largest ratio in units, truncated.
   TC_HD int64_t comp_max() const { return static_cast<int64_t>(bit_cast<float>(comp_max_bits)); }
@@ -230,7 +253,8 @@ struct AdamElement {
   using T = typename ComputeOf<PT>::type;
   using P = typename PT::storage;
   using S = typename ST::storage;
-  using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
+  using C = std::conditional_t<M == Compensation::kRemainder, int16_t,
+                               std::conditional_t<M == Compensation::kRemainder8, int8_t, P>>;
   // The update accounting's arithmetic (tally_element).
   using TallyT = std::conditional_t<sizeof(P) == 2, float, double>;
   static constexpr bool kCarries = carries(M);
@@ -244,6 +268,8 @@ struct AdamElement {
   TC_HD static T weight_of(P p, C c) {
     if constexpr (M == Compensation::kRemainder) {
       return join_bf16_remainder(p, c);
+    } else if constexpr (M == Compensation::kRemainder8) {
+      return join_bf16_remainder8(p, c);
     } else {
       return PT::widen(p);
     }
@@ -253,9 +279,10 @@ struct AdamElement {
   // amsgrad, the old max xo): mn, vn and the new max xn. Returns the update
   // of the weight pv: -lr * m_hat / (sqrt(v_hat) + eps), and in the
   // compensated modes minus lr * wd * pv under decoupled decay (the plain
-  // step scales the weight by a rounded 1 - lr * wd instead, in apply).
+  // step scales the weight by a rounded 1 - lr * wd instead, in apply);
+  // root: the square root of the second moment the denominator used.
   TC_HD static T update_of(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, T pv, P g, T mo,
-                           T vo, T xo, T& mn, T& vn, T& xn) {
+                           T vo, T xo, T& mn, T& vn, T& xn, T& root) {
     // torch.optim.Adam's operations, fused where ATen fuses them:
     // grad.add(param, alpha=wd), exp_avg.lerp_(grad, 1 - beta1),
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
@@ -273,7 +300,8 @@ struct AdamElement {
       xn = max_nan(xo, vn);
       vv = xn;
     }
-    const T denom = (kDividesByBc2 ? tc_sqrt(vv) / t.bc2_sqrt : tc_sqrt(vv) * t.inv_bc2_sqrt) + k.eps;
+    root = tc_sqrt(vv);
+    const T denom = (kDividesByBc2 ? root / t.bc2_sqrt : root * t.inv_bc2_sqrt) + k.eps;
     const T upd = (t.neg_step_size * mn) / denom;
     if constexpr (M == Compensation::kNone) {
       return upd;
@@ -307,6 +335,8 @@ struct AdamElement {
         kahan_update<PT>(pv, p, c, u);
       } else if constexpr (M == Compensation::kRemainder) {
         split_bf16_remainder(pv + u, p, c);
+      } else if constexpr (M == Compensation::kRemainder8) {
+        split_bf16_remainder8(pv + u, stochastic_bits(t.key, index), p, c);
       } else {
         const uint32_t bits = stochastic_bits(t.key, index);
         if constexpr (std::is_same_v<PT, BFloat16Target>) {
@@ -324,9 +354,9 @@ struct AdamElement {
   TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
                          P& p, P g, S& m, S& v, S& vmax, C& c, ElementTally& tally) {
     const T pv = weight_of(p, c);
-    T mn, vn, xn{};
+    T mn, vn, xn{}, root;
     const T u = update_of(k, t, pv, g, ST::widen(m), ST::widen(v),
-                          kAmsgrad ? ST::widen(vmax) : T(0), mn, vn, xn);
+                          kAmsgrad ? ST::widen(vmax) : T(0), mn, vn, xn, root);
     m = ST::round(mn);
     v = ST::round(vn);
     if constexpr (kAmsgrad) vmax = ST::round(xn);
@@ -352,7 +382,7 @@ struct AdamElement {
       if constexpr (M == Compensation::kKahan) {
         carried = PT::widen(c);
       } else {
-        carried = join_bf16_remainder(p, c) - p_new;  // exact: within an ulp of p_new
+        carried = weight_of(p, c) - p_new;  // exact: within an ulp of p_new
       }
       const T ulp = tc_abs(PT::widen(flip_last_bit(p)) - p_new);
       // ulp is a power of two: the ratio and its scaling are exact. A
@@ -377,9 +407,9 @@ struct AdamElement {
                             const P* p, P g, S* m, S* v, S* vmax, const C* c) {
     C cj{};
     if constexpr (kCarries) cj = c[j];
-    T mn, vn, xn{};
+    T mn, vn, xn{}, root;
     const T u = update_of(k, t, weight_of(p[j], cj), g, ST::widen(m[j]), ST::widen(v[j]),
-                          kAmsgrad ? ST::widen(vmax[j]) : T(0), mn, vn, xn);
+                          kAmsgrad ? ST::widen(vmax[j]) : T(0), mn, vn, xn, root);
     m[j] = ST::round(mn);
     v[j] = ST::round(vn);
     if constexpr (kAmsgrad) vmax[j] = ST::round(xn);
@@ -430,7 +460,9 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
     }
   };
   const auto flags = [&](auto pt, auto st, auto m) {
-    if (amsgrad) {
+    if constexpr (std::is_same_v<decltype(st), Moments8>) {
+      tracked(pt, st, m, std::false_type{});  // check_adam_args refuses amsgrad there
+    } else if (amsgrad) {
       tracked(pt, st, m, std::true_type{});
     } else {
       tracked(pt, st, m, std::false_type{});
@@ -451,6 +483,8 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
   const auto states = [&](auto pt) {
     if (state_dtype == at::kBFloat16) {
       modes(pt, BFloat16Target{});
+    } else if (state_dtype == at::kChar) {
+      modes(pt, Moments8{});
     } else {
       modes(pt, Float32Target{});
     }
@@ -471,6 +505,7 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
 struct TensorOperands {
   at::Tensor p, g, m, v, vmax, c;
   at::Tensor stats;  // int64[kNumUpdateStats], added to in place (never staged), or undefined
+  at::Tensor scales;  // 8-bit moments: float32 (2, blocks), in place (never staged), or undefined
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (original, staged)
 
   // grad_mutated: the pass writes the gradient too (the CUDA kernel unscales
@@ -493,6 +528,7 @@ T* operand_ptr(const at::Tensor& t) {
 struct AdamTensors {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
       state_steps;
+  std::optional<at::TensorList> moment_scales;  // 8-bit moments
 };
 
 // Host-side checks shared by the backends; everything is checked before
@@ -527,13 +563,15 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool decoupled_weight_decay, std::string_view compensation,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf, int64_t seed,
-               std::optional<at::TensorList> update_stats) {
+               std::optional<at::TensorList> update_stats,
+               std::optional<at::TensorList> moment_scales) {
   if constexpr (!std::is_same_v<Lr, double>) {
     TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
     if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
   }
   const Compensation mode = check_adam_args(
-      {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps},
+      {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps,
+       moment_scales},
       amsgrad, compensation, grad_scale, found_inf, update_stats);
   if (params.empty()) return;
   Backend backend(params[0].device());
@@ -557,6 +595,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                      carries(mode) ? &compensations[i] : nullptr,
                      /*grad_mutated=*/Backend::kUnscalesInKernel && grad_scale.has_value());
     if (update_stats.has_value()) ops.back().stats = (*update_stats)[i];
+    if (moment_scales.has_value()) ops.back().scales = (*moment_scales)[i];
   }
   dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,
                 update_stats.has_value(), [&](auto pt, auto st, auto m, auto ams, auto track) {

@@ -10,7 +10,7 @@
 //   name          the op's `compensation` string
 //   carried       what the mode keeps per param between steps, in the op's
 //                 `compensations` list: kCarriesNothing, kCarriesParamDtype
-//                 (a buffer of the param's dtype) or kCarriesInt16
+//                 (a buffer of the param's dtype), kCarriesInt16 or kCarriesInt8
 //   param dtypes  the param dtypes it steps, a mask of kParam* bits
 //   instead       the mode an error message suggests for other params
 //   needs         why other params are refused, as the messages say it
@@ -21,7 +21,12 @@
 
 namespace torchcast {
 
-enum CarriedState : int { kCarriesNothing = 0, kCarriesParamDtype = 1, kCarriesInt16 = 2 };
+enum CarriedState : int {
+  kCarriesNothing = 0,
+  kCarriesParamDtype = 1,
+  kCarriesInt16 = 2,
+  kCarriesInt8 = 3
+};
 
 enum ParamDtypeBit : uint32_t {
   kParamFloat64 = 1u,
@@ -40,7 +45,10 @@ enum ParamDtypeBit : uint32_t {
     "needs bfloat16 params")                                                              \
   X(kStochastic, "stochastic", kCarriesNothing, kParamBFloat16 | kParamFloat16, "kahan",  \
     "compensation='stochastic' rounds updates into 16-bit params and needs bfloat16 or "  \
-    "float16 params")
+    "float16 params")                                                                     \
+  X(kRemainder8, "remainder8", kCarriesInt8, kParamBFloat16, "kahan",                     \
+    "compensation='remainder8' stores 24-bit master weights as bfloat16 + int8 and "      \
+    "needs bfloat16 params")
 
 // How a narrow parameter takes the part of its update that rounding would
 // lose: not at all, carried in a buffer (Kahan, remainder), or rounded

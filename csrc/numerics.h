@@ -597,6 +597,29 @@ TC_HD float join_bf16_remainder(uint16_t hi, int16_t rem) {
                          static_cast<uint32_t>(static_cast<int32_t>(rem)));
 }
 
+// A 24-bit master weight (float32 with its low 8 bits zero) held as a
+// bfloat16 parameter and an int8 remainder (compensation="remainder8"): the
+// float32 result is first rounded to 24 bits stochastically, adding 8 random
+// bits (the top of r) below bit 8 and truncating, so the master is unbiased
+// and even an update far below its last bit moves it on average; then split
+// as split_bf16_remainder splits (the parameter the nearest bfloat16, ties
+// away from zero), the remainder the low half's top byte (its low byte is
+// zero: the shift is exact). A NaN master keeps a NaN parameter and a zero
+// remainder.
+TC_HD void split_bf16_remainder8(float master, uint32_t r, uint16_t& hi, int8_t& rem) {
+  const uint32_t u = bit_cast<uint32_t>(master);
+  const uint32_t nan = static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (u & 0x7fffffffu)) >> 31);
+  const uint32_t u24 = (u + (r >> 24)) & 0xffffff00u;
+  const uint32_t lo = u24 & 0xffffu;
+  hi = static_cast<uint16_t>((nan & ((u >> 16) | 0x0040u)) | (~nan & ((u24 >> 16) + (lo >> 15))));
+  rem = static_cast<int8_t>(~nan & static_cast<uint32_t>(static_cast<int32_t>(bit_cast<int16_t>(static_cast<uint16_t>(lo))) >> 8));
+}
+
+TC_HD float join_bf16_remainder8(uint16_t hi, int8_t rem) {
+  return bit_cast<float>((static_cast<uint32_t>(hi) << 16) +
+                         (static_cast<uint32_t>(static_cast<int32_t>(rem)) << 8));
+}
+
 
 // ---------------------------------------------------------------------------
 // Stochastic rounding (compensation="stochastic"): a float32 value rounded to

@@ -75,9 +75,9 @@ PyObject* format_traits() {
 // ((name, carried, param dtypes, instead, needs), ...): adam_modes.h's table
 // of compensation modes, which tests/test_adam_modes.py checks against
 // torchcast/adam_modes.py's. carried: "nothing", "param" (a buffer of the
-// param's dtype) or "int16"; param dtypes: a tuple of dtype names.
+// param's dtype), "int16" or "int8"; param dtypes: a tuple of dtype names.
 PyObject* adam_compensations() {
-  static constexpr const char* kCarried[] = {"nothing", "param", "int16"};
+  static constexpr const char* kCarried[] = {"nothing", "param", "int16", "int8"};
   static constexpr std::pair<uint32_t, const char*> kDtypes[] = {
       {torchcast::kParamFloat64, "float64"}, {torchcast::kParamFloat32, "float32"},
       {torchcast::kParamBFloat16, "bfloat16"}, {torchcast::kParamFloat16, "float16"}};
@@ -480,7 +480,8 @@ TORCH_LIBRARY(torchcast, m) {
   "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] compensations, Tensor(g!)[] state_steps, *, "    \
   LR ", float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, " \
   "bool decoupled_weight_decay, str compensation, Tensor? grad_scale=None, "                   \
-  "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None) -> ()"
+  "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None, "                      \
+  "Tensor(i!)[]? moment_scales=None) -> ()"
   m.def("adam_step_" TORCHCAST_ADAM_ARGS("float lr"));
   m.def("adam_step_.tensor_lr" TORCHCAST_ADAM_ARGS("Tensor lr"));
 #undef TORCHCAST_ADAM_ARGS

@@ -18,7 +18,7 @@ from adam_common import make_operands
 HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "csrc", "adam_modes.h")
 _CARRIED = {"kCarriesNothing": "nothing", "kCarriesParamDtype": "param",
-            "kCarriesInt16": "int16"}
+            "kCarriesInt16": "int16", "kCarriesInt8": "int8"}
 _DTYPE_BITS = {"kParamFloat64": "float64", "kParamFloat32": "float32",
                "kParamBFloat16": "bfloat16", "kParamFloat16": "float16"}
 
@@ -43,14 +43,14 @@ def header_rows(path):
     rows = []
     for entry in re.findall(r"X\((.*?)\)\s*(?=X\(|$)", body, re.S):
         enumerator, rest = entry.split(",", 1)
-        name, rest = re.match(r'\s*"([a-z]+)",(.*)', rest, re.S).groups()
+        name, rest = re.match(r'\s*"([a-z0-9]+)",(.*)', rest, re.S).groups()
         carried, rest = rest.split(",", 1)
         bits, rest = rest.split(",", 1)
         strings = re.findall(r'"((?:[^"\\]|\\.)*)"', rest)
         instead = strings[0]
         needs = "".join(strings[1:])
         dtypes = tuple(_DTYPE_BITS[b.strip()] for b in bits.split("|"))
-        assert enumerator.strip() == "k" + name.title(), (enumerator, name)
+        assert enumerator.strip().lower() == "k" + name, (enumerator, name)
         rows.append((name, _CARRIED[carried.strip()], dtypes, instead, needs))
     return tuple(rows)
 
@@ -69,8 +69,8 @@ def test_python_table_equals_the_cpp_table():
 
 
 def test_table_facts():
-    assert list(COMPENSATIONS) == ["none", "kahan", "remainder", "stochastic"]
-    assert compensation_names() == "'none', 'kahan', 'remainder' or 'stochastic'"
+    assert list(COMPENSATIONS) == ["none", "kahan", "remainder", "stochastic", "remainder8"]
+    assert compensation_names() == "'none', 'kahan', 'remainder', 'stochastic' or 'remainder8'"
     assert refusal("remainder", torch.float16).endswith("needs bfloat16 params")
     assert refusal("kahan", torch.float64) is not None
     assert refusal("none", torch.float64) is None
@@ -116,7 +116,7 @@ def test_op_and_reference_refuse_alike(pdtype, mode):
 
 
 @pytest.mark.parametrize("pdtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode", ["kahan", "remainder", "stochastic"])
+@pytest.mark.parametrize("mode", ["kahan", "remainder", "stochastic", "remainder8"])
 def test_optimizer_refuses_what_the_table_refuses(pdtype, mode):
     p = torch.nn.Parameter(torch.zeros(3, dtype=pdtype))
     needs = refusal(mode, pdtype)

@@ -34,6 +34,7 @@ class Batch:
     compensations: List[torch.Tensor] = dataclasses.field(default_factory=list)
     state_steps: List[torch.Tensor] = dataclasses.field(default_factory=list)
     update_stats: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    moment_scales: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 def stream_seed(seed: int, gi: int, bi: int) -> int:
@@ -88,11 +89,15 @@ def step_group(group: Dict[str, Any], gi: int,
         if carried is not None:
             b.compensations.append(tensors[-1])
         b.state_steps.append(state["step"])
+        if _state.SCALES in state:
+            b.moment_scales.append(state[_state.SCALES])
         if counter_of is not None:
             b.update_stats.append(counter_of(p, lp))
     beta1, beta2 = group["betas"]
-    for bi, ((device, _, _, mode), batch) in enumerate(batches.items()):
-        seed = stream_seed(group["seed"], gi, bi) if mode == "stochastic" else 0
+    for bi, ((device, _, moments, mode), batch) in enumerate(batches.items()):
+        eight_bit = moments == torch.int8
+        random = COMPENSATIONS[mode].draws_bits or eight_bit
+        seed = stream_seed(group["seed"], gi, bi) if random else 0
         _ops.adam_step_(
             batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
             batch.max_exp_avg_sqs, batch.compensations, batch.state_steps,
@@ -102,7 +107,8 @@ def step_group(group: Dict[str, Any], gi: int,
             decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
             grad_scale=None if grad_scale is None else grad_scale.to(device),
             found_inf=None if found_inf is None else found_inf.to(device), seed=seed,
-            update_stats=batch.update_stats if counter_of is not None else None)
+            update_stats=batch.update_stats if counter_of is not None else None,
+            moment_scales=batch.moment_scales if eight_bit else None)
 
 
 def torch_step(group: Dict[str, Any], items: Sequence[Tuple[torch.Tensor, torch.Tensor]],

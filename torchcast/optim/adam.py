@@ -9,7 +9,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from ..adam_modes import CARRIED_STATE_KEYS
+from ..adam_modes import EIGHT_BIT
 from . import _state, _step, _update_stats, _validation
 from ._update_stats import UpdateStats
 from ._validation import real_dtype
@@ -226,7 +226,7 @@ class Adam(Optimizer):
         """The param's state, complete for its mode (the usual case: checked
         by its keys alone)."""
         state = self.state[p]
-        keys = _state.STATE_KEYS[(mode, bool(group["amsgrad"]))]
+        keys = _state.state_keys(group, p, mode)
         if len(state) == len(keys) and all(k in state for k in keys):
             return state
         return _state.init_state(state, group, p)
@@ -264,7 +264,7 @@ class Adam(Optimizer):
         """The param's existing state fits what the step will use."""
         mode = _state.mode_of(group, real_dtype(p))
         _validation.check_state(type(self).__name__, gi, i, p, state,
-                                _state.STATE_KEYS[(mode, bool(group["amsgrad"]))],
+                                _state.state_keys(group, p, mode),
                                 _state.moment_dtype(group, p))
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -362,34 +362,44 @@ class Adam(Optimizer):
         if not torch_format:
             return sd
         return {
-            "state": {k: {n: v for n, v in s.items() if n not in CARRIED_STATE_KEYS}
-                      for k, s in sd["state"].items()},
+            "state": {k: _state.torch_format(s) for k, s in sd["state"].items()},
             "param_groups": [{n: v for n, v in g.items() if n not in _OWN_GROUP_KEYS}
                              for g in sd["param_groups"]],
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], *, round_moments: bool = False) -> None:
         """Loads the optimizer state, as ``torch.optim.Optimizer.load_state_dict``,
         but every state keeps its own dtype (torch's casts each floating state
         to its param's dtype, pytorch issue 43706): moments in this
-        optimizer's state dtype, compensation in the param's, remainders in
-        int16, the step count on the CPU. A torch.optim.Adam/AdamW state loads
-        too: compensation then starts at zero, and compensation of a mode this
-        optimizer does not use is dropped.
+        optimizer's moment format, compensation in the param's, remainders in
+        int16 or int8, the step count on the CPU. A torch.optim.Adam/AdamW
+        state loads too: compensation then starts at zero, and compensation of
+        a mode this optimizer does not use is dropped. The moment format
+        (``state_dtype``) stays this optimizer's, and the saved moments
+        convert to it where nothing is lost (bfloat16 or 8-bit ones to
+        float32, 8-bit codes dequantized exactly); a conversion that would
+        round them (float32 to bfloat16 or 8-bit, bfloat16 to 8-bit) raises,
+        unless ``round_moments``.
 
         Args:
             state_dict (dict): optimizer state. Should be an object returned
                 from a call to ``state_dict()`` of this class or of
                 torch.optim.Adam/AdamW.
+            round_moments (bool, optional): round moments kept in a wider
+                format to this optimizer's (to the nearest bfloat16 or 8-bit
+                code) instead of raising (default: False).
 
         Raises:
             ValueError: the dict does not fit this optimizer (param groups
                 and their options, every state entry's keys, shapes and
-                dtypes against its param, all checked before anything is
-                installed); the message names the param group, the index in
-                it and what is wrong, and the optimizer is left as it was.
+                dtypes against its param, moments this optimizer's format
+                cannot hold without ``round_moments``, all checked before
+                anything is installed); the message names the param group,
+                the index in it and what is wrong, and the optimizer is left
+                as it was.
         """
-        pre = self.register_load_state_dict_pre_hook(_check_and_adopt_states)
+        pre = self.register_load_state_dict_pre_hook(
+            partial(_check_and_adopt_states, round_moments=round_moments))
         post = self.register_load_state_dict_post_hook(_unwrap_states, prepend=True)
         try:
             super().load_state_dict(state_dict)
@@ -407,6 +417,8 @@ class Adam(Optimizer):
             merged = dict(self.defaults)
             merged.update(saved)
             merged["params"] = group["params"]
+            # The moment format is this optimizer's: the saved moments convert to it.
+            merged["state_dtype"] = saved["state_dtype"] = group["state_dtype"]
             try:
                 _validation.check_group(type(self).__name__, merged, gi)
                 for i, p in enumerate(group["params"]):
@@ -504,11 +516,12 @@ class AdamW(Adam):
             group["decoupled_weight_decay"] = True
 
 
-def _check_and_adopt_states(optimizer, state_dict):
+def _check_and_adopt_states(optimizer, state_dict, round_moments):
     """Load pre-hook, the last one to run: checks the whole dict against the
     optimizer and converts every param's state before torch installs any of
     it (a failed load leaves the optimizer as it was). The converted states
     travel wrapped in _Loaded, so that torch's load does not cast them again."""
+    state_dict["param_groups"] = [dict(g) for g in state_dict["param_groups"]]  # not the caller's
     targets = optimizer._loaded_groups(state_dict["param_groups"])
     state = {}
     for key, value in state_dict["state"].items():
@@ -518,7 +531,11 @@ def _check_and_adopt_states(optimizer, state_dict):
         gi, i, p, group = targets[key]
         _validation.check_loaded_state(type(optimizer).__name__, gi, i, p, value,
                                        _state.KNOWN_STATE_KEYS)
-        state[key] = _Loaded(_state.adopt(group, p, value))
+        try:
+            state[key] = _Loaded(_state.adopt(type(optimizer).__name__, gi, i, group, p, value,
+                                              round_moments))
+        except (TypeError, RuntimeError) as e:  # a dict of mismatched tensors
+            raise _validation.load_error(type(optimizer).__name__, e) from None
     state_dict["state"] = state
     return state_dict
 
