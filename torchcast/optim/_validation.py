@@ -452,11 +452,9 @@ def check_loaded_state(name, gi, i, p, saved, known) -> None:
         carrier = _CARRIED_BY_KEY.get(key)
         if carrier is not None and carrier.carried != "param":
             ok, want = value.dtype == carrier.carried, str(carrier.carried)
-        elif scaled and key in ("exp_avg", "exp_avg_sq"):
+        elif scaled and key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             want = torch.int8 if key == "exp_avg" else torch.uint8
             ok, want = value.dtype == want, f"{want} (8-bit moments, with 'moment_scales')"
-        elif scaled:
-            ok, want = False, "no such entry beside 8-bit moments"
         elif p.is_complex():
             ok, want = value.is_complex(), "a complex dtype (the param is complex)"
         else:
