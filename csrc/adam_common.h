@@ -239,11 +239,23 @@ struct AdamElement {
     }
   }
 
+  // Whether apply rounds with random bits (stochastic, remainder8).
+  static constexpr bool kDrawsBits = M == Compensation::kStochastic || M == Compensation::kRemainder8;
+
+  // The param's random bits at element `index` of its tensor (0 where the
+  // mode draws none): stochastic_bits of the tensor's key.
+  TC_HD static uint32_t bits_at(const AdamTensorConsts<T>& t, int64_t index) {
+    if constexpr (kDrawsBits) {
+      return stochastic_bits(t.key, index);
+    } else {
+      return 0;
+    }
+  }
+
   // The param (and its compensation) stepped from the weight pv by the
-  // update u of update_of; index: the element's position in its tensor (the
-  // stochastic counter).
-  TC_HD static void apply(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
-                          T pv, T u, P& p, C& c, ElementTally& tally) {
+  // update u of update_of; bits: its random bits (bits_at).
+  TC_HD static void apply(const AdamConsts<T>& k, uint32_t bits, T pv, T u, P& p, C& c,
+                          ElementTally& tally) {
     const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
     // The intended update: u minus lr * wd * w under decoupled decay, in
     // float64 (the product exact: 24 + 24 bits), then in the tally's type.
@@ -263,9 +275,8 @@ struct AdamElement {
       } else if constexpr (M == Compensation::kRemainder) {
         split_bf16_remainder(pv + u, p, c);
       } else if constexpr (M == Compensation::kRemainder8) {
-        split_bf16_remainder8(pv + u, stochastic_bits(t.key, index), p, c);
+        split_bf16_remainder8(pv + u, bits, p, c);
       } else {
-        const uint32_t bits = stochastic_bits(t.key, index);
         if constexpr (std::is_same_v<PT, BFloat16Target>) {
           p = bfloat16_bits_stochastic(pv + u, bits);
         } else {
@@ -287,7 +298,7 @@ struct AdamElement {
     m = ST::round(mn);
     v = ST::round(vn);
     if constexpr (kAmsgrad) vmax = ST::round(xn);
-    apply(k, t, index, pv, u, p, c, tally);
+    apply(k, bits_at(t, index), pv, u, p, c, tally);
   }
 
   // The update accounting of one element: p and c after the step, p_old the
@@ -328,7 +339,7 @@ struct AdamElement {
 
   // The CPU loop's two passes over a tile, on element j of the operand
   // arrays: moments_at updates the moments and returns the update (update_of),
-  // apply_at applies it (element `index` of the tensor). Two short loops keep
+  // apply_at applies it with the element's random bits. Two short loops keep
   // more elements in flight than one long chain per element.
   TC_HD static T moments_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
                             const P* p, P g, S* m, S* v, S* vmax, const C* c) {
@@ -342,12 +353,12 @@ struct AdamElement {
     if constexpr (kAmsgrad) vmax[j] = ST::round(xn);
     return u;
   }
-  TC_HD static void apply_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
-                             int64_t index, T u, P* p, C* c, ElementTally& tally) {
+  TC_HD static void apply_at(const AdamConsts<T>& k, int64_t j, uint32_t bits, T u, P* p, C* c,
+                             ElementTally& tally) {
     P pj = p[j];
     C cj{};
     if constexpr (kCarries) cj = c[j];
-    apply(k, t, index, weight_of(pj, cj), u, pj, cj, tally);
+    apply(k, bits, weight_of(pj, cj), u, pj, cj, tally);
     p[j] = pj;
     if constexpr (kCarries) c[j] = cj;
   }

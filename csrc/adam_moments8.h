@@ -66,13 +66,14 @@ struct Moments8 {
 
   // |x| as bits where x is finite, else 0: a block's largest magnitude is
   // the integer max of these (bit order is value order), in any order.
-  TC_HD static uint32_t magnitude_bits(float x) {
-    const uint32_t u = bit_cast<uint32_t>(x) & 0x7fffffffu;
-    return u < 0x7f800000u ? u : 0u;
+  // Signed: gcc vectorizes a signed max reduction, not this unsigned one.
+  TC_HD static int32_t magnitude_bits(float x) {
+    const int32_t u = bit_cast<int32_t>(x) & 0x7fffffff;
+    return u < 0x7f800000 ? u : 0;
   }
 
   // A block's scale from its largest magnitude's bits, and its inverse.
-  TC_HD static float scale_of(uint32_t largest) {
+  TC_HD static float scale_of(int32_t largest) {
     const float a = bit_cast<float>(largest);
     return a >= kSmallestScale ? a : 0.0f;
   }
@@ -90,8 +91,10 @@ struct Moments8 {
   }
 
   TC_HD static int8_t m_code(float m, float inv, uint32_t r16) {
-    const int q = code_of(m < 0.0f ? -m : m, inv, kMLevels, r16);
-    const int signed_q = m < 0.0f ? -q : q;
+    const int32_t bits = bit_cast<int32_t>(m);
+    const int q = code_of(bit_cast<float>(bits & 0x7fffffff), inv, kMLevels, r16);
+    const int32_t sign = bits >> 31;  // all ones for a negative m: q negated as (q ^ -1) + 1
+    const int signed_q = (q ^ sign) - sign;
     return static_cast<int8_t>(finite(m) ? signed_q : static_cast<int>(kMNotFinite));
   }
 

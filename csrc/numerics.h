@@ -665,6 +665,16 @@ TC_HD uint32_t stochastic_bits(StochasticKey k, int64_t index) {
   return mix32(mix32(static_cast<uint32_t>(i) ^ k.lo) + (static_cast<uint32_t>(i >> 32) ^ k.hi));
 }
 
+// stochastic_bits for indices that share their high half, the second
+// mixer's addend computed once (high = stochastic_high(k, any of them)):
+// 32-bit lanes only, where the 64-bit index costs a loop twice the lanes.
+TC_HD uint32_t stochastic_high(StochasticKey k, int64_t index) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) ^ k.hi;
+}
+TC_HD uint32_t stochastic_bits_low(StochasticKey k, uint32_t high, uint32_t index_low) {
+  return mix32(mix32(index_low ^ k.lo) + high);
+}
+
 // f rounded to bfloat16 with the random bits r: adding 16 random bits below
 // the bfloat16 mantissa carries into it with probability (low 16 bits of f) /
 // 2^16, exactly the fraction of an ulp f lies above its truncation (the

@@ -29,9 +29,19 @@ inline ElementTally apply_tile(const AdamConsts<typename E::T>& k,
                                const typename E::T* __restrict__ u, typename E::P* __restrict__ p,
                                typename E::C* __restrict__ c, int64_t first, int64_t b,
                                int64_t end) {
+  // A tile never straddles 2^32 elements: its random bits from one high half.
+  const uint32_t high = stochastic_high(t.key, first + b);
+  const auto low = static_cast<uint32_t>(first + b);
+  const auto bits = [&](int64_t j) -> uint32_t {
+    if constexpr (E::kDrawsBits) {
+      return stochastic_bits_low(t.key, high, low + static_cast<uint32_t>(j));
+    } else {
+      return 0;
+    }
+  };
   ElementTally tile;
   if constexpr (!kTrack) {
-    for (int64_t j = 0; j < end; ++j) E::apply_at(k, t, b + j, first + b + j, u[j], p, c, tile);
+    for (int64_t j = 0; j < end; ++j) E::apply_at(k, b + j, bits(j), u[j], p, c, tile);
   } else {
     // Summed in plain int32 locals, which gcc keeps in vector registers of
     // full width (checked with -fopt-info-vec: every tracked loop
@@ -40,7 +50,7 @@ inline ElementTally apply_tile(const AdamConsts<typename E::T>& k,
     uint32_t comp_max_bits = 0;
     for (int64_t j = 0; j < end; ++j) {
       ElementTally e;
-      E::apply_at(k, t, b + j, first + b + j, u[j], p, c, e);
+      E::apply_at(k, b + j, bits(j), u[j], p, c, e);
       updated += e.updated;
       lost += e.lost;
       shrunk += e.shrunk;
@@ -88,9 +98,9 @@ TC_CPU_CLONES UpdateTally adam_run(
 
 // adam_run for 8-bit moments (adam_moments8.h): each tile is a block of
 // Moments8::kBlock elements with one scale per moment (the pointers
-// m_scales and root_scales at the chunk's first block). Three passes: the
+// m_scales and root_scales at the chunk's first block). Four passes: the
 // moments from the old codes and the updates (keeping this step's float32
-// exp_avg and sqrt(exp_avg_sq), and their largest magnitudes), the codes
+// exp_avg and sqrt(exp_avg_sq)), their largest magnitudes, the codes
 // against the block's new scales, the params.
 template <typename PT, Compensation M, bool kTrack>
 TC_CPU_CLONES UpdateTally adam_run_moments8(
@@ -108,7 +118,6 @@ TC_CPU_CLONES UpdateTally adam_run_moments8(
   for (int64_t b = 0, block = 0; b < n; b += Moments8::kBlock, ++block) {
     const int64_t end = std::min(n - b, Moments8::kBlock);
     const float sm = m_scales[block], sr = root_scales[block];
-    uint32_t m_largest = 0, root_largest = 0;
     for (int64_t j = 0; j < end; ++j) {
       C cj{};
       if constexpr (E::kCarries) cj = c[b + j];
@@ -116,8 +125,13 @@ TC_CPU_CLONES UpdateTally adam_run_moments8(
       float vn, xn = 0.0f;
       u[j] = E::update_of(k, tconsts, E::weight_of(p[b + j], cj), g[b + j],
                           Moments8::m_of(m[b + j], sm), ro * ro, 0.0f, mn[j], vn, xn, root[j]);
-      const uint32_t mb = Moments8::magnitude_bits(mn[j]);
-      const uint32_t rb = Moments8::magnitude_bits(root[j]);
+    }
+    // The maxima in a loop of their own, which gcc vectorizes (checked with
+    // -fopt-info-vec).
+    int32_t m_largest = 0, root_largest = 0;
+    for (int64_t j = 0; j < end; ++j) {
+      const int32_t mb = Moments8::magnitude_bits(mn[j]);
+      const int32_t rb = Moments8::magnitude_bits(root[j]);
       m_largest = m_largest > mb ? m_largest : mb;
       root_largest = root_largest > rb ? root_largest : rb;
     }
@@ -126,8 +140,12 @@ TC_CPU_CLONES UpdateTally adam_run_moments8(
     m_scales[block] = new_sm;
     root_scales[block] = new_sr;
     int32_t m_lost = 0, m_off = 0, v_lost = 0, v_off = 0;
+    // A block never straddles 2^32 elements: one high half for its indices.
+    const uint32_t high = stochastic_high(tconsts.moment_key, first + b);
+    const auto low = static_cast<uint32_t>(first + b);
     for (int64_t j = 0; j < end; ++j) {
-      const uint32_t bits = stochastic_bits(tconsts.moment_key, first + b + j);
+      const uint32_t bits =
+          stochastic_bits_low(tconsts.moment_key, high, low + static_cast<uint32_t>(j));
       const int8_t qm = Moments8::m_code(mn[j], inv_m, bits >> 16);
       const uint8_t qr = Moments8::root_code(root[j], inv_r, bits & 0xffffu);
       m[b + j] = qm;

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kAdamThreads)
   using P = typename PT::storage;
   using C = typename E::C;
   constexpr int kWarps = kAdamThreads / 32;
-  __shared__ uint32_t largest[2][kWarps];
+  __shared__ int32_t largest[2][kWarps];
   const int64_t chunk = blockIdx.x;
   const DeviceTensor<float>& a = tensor_of_chunk(tensors, ntensors, chunk);
   AdamTensorConsts<float> t = a.t;
@@ -226,11 +226,11 @@ __global__ void __launch_bounds__(kAdamThreads)
       float vn, xn = 0.0f;
       u = E::update_of(k, t, pv, gj, Moments8::m_of(m[j], sm), ro * ro, 0.0f, mn, vn, xn, root);
     }
-    uint32_t mb = in ? Moments8::magnitude_bits(mn) : 0u;
-    uint32_t rb = in ? Moments8::magnitude_bits(root) : 0u;
+    int32_t mb = in ? Moments8::magnitude_bits(mn) : 0;
+    int32_t rb = in ? Moments8::magnitude_bits(root) : 0;
     for (int off = 16; off > 0; off /= 2) {
-      const uint32_t om = __shfl_down_sync(0xffffffffu, mb, off);
-      const uint32_t orr = __shfl_down_sync(0xffffffffu, rb, off);
+      const int32_t om = __shfl_down_sync(0xffffffffu, mb, off);
+      const int32_t orr = __shfl_down_sync(0xffffffffu, rb, off);
       mb = mb > om ? mb : om;
       rb = rb > orr ? rb : orr;
     }
@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(kAdamThreads)
       largest[1][warp] = rb;
     }
     __syncthreads();
-    mb = 0u;
-    rb = 0u;
+    mb = 0;
+    rb = 0;
     for (int w = 0; w < kWarps; ++w) {
       mb = mb > largest[0][w] ? mb : largest[0][w];
       rb = rb > largest[1][w] ? rb : largest[1][w];
@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(kAdamThreads)
       m[j] = qm;
       v[j] = qr;
       ElementTally e;
-      E::apply(k, t, j, pv, u, pj, cj, e);
+      E::apply(k, E::bits_at(t, j), pv, u, pj, cj, e);
       p[j] = pj;
       if constexpr (E::kCarries) c[j] = cj;
       if constexpr (kTrack) {
