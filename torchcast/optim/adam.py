@@ -70,7 +70,8 @@ class Adam(Optimizer):
             True also float32 (where updates fall below half an ulp of the
             weights), and rejects float64 params, which need none; False
             never (default: None).
-        seed (int, optional): the seed of ``compensation="stochastic"``, in
+        seed (int, optional): the seed of ``compensation="stochastic"`` and
+            ``"remainder8"`` and of 8-bit moments, in
             [0, 2^63): the random bits of element j of a param at step s are
             a hash of (seed, param group, param, s, j), so the same seed
             gives the same bits whatever the thread count or device, and a
@@ -90,12 +91,18 @@ class Adam(Optimizer):
             int16, so that param + remainder is the float32 master bit for
             bit, at the same 2 bytes per parameter; "stochastic" (bfloat16
             and float16 params) keeps nothing and rounds each updated weight
-            to the param's dtype up or down at random, unbiased, from ``seed``
-            (default: "kahan").
-        state_dtype (torch.dtype, optional): the dtype of ``exp_avg`` and
-            ``exp_avg_sq`` (and ``max_exp_avg_sq``) of bfloat16 and float16
-            params: torch.float32 or torch.bfloat16; None means float32.
-            float32 and float64 params keep theirs in their own dtype
+            to the param's dtype up or down at random, unbiased, from ``seed``;
+            "remainder8" (bfloat16 params only) keeps an int8 remainder, so
+            that param + remainder is a 24-bit master weight, rounded to 24
+            bits stochastically each step (default: "kahan").
+        state_dtype (torch.dtype or str, optional): how bfloat16 and float16
+            params keep ``exp_avg`` and ``exp_avg_sq`` (and
+            ``max_exp_avg_sq``): torch.float32, torch.bfloat16, or "8bit" (a
+            byte per moment and a float32 scale per block of 256 elements,
+            square-root companded, rounded stochastically from ``seed``; no
+            amsgrad, DTensor or complex params); None means float32. float32
+            and float64 params keep theirs in their own dtype. A loaded
+            state dict's moments convert to it (see ``load_state_dict``)
             (default: None).
         cast_grads (bool, optional): whether a gradient whose dtype or device
             differs from its param's is cast with ``torchcast.safe_to``;
@@ -144,7 +151,8 @@ class Adam(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 track_updates: Union[bool, int] = False, state_dtype: Optional[torch.dtype] = None,
+                 track_updates: Union[bool, int] = False,
+                 state_dtype: Optional[Union[torch.dtype, str]] = None,
                  cast_grads: bool = False, decoupled_weight_decay: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
@@ -497,7 +505,8 @@ class AdamW(Adam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 track_updates: Union[bool, int] = False, state_dtype: Optional[torch.dtype] = None,
+                 track_updates: Union[bool, int] = False,
+                 state_dtype: Optional[Union[torch.dtype, str]] = None,
                  cast_grads: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False):
