@@ -9,11 +9,13 @@ two learning rates, final held-out loss against the float32 run's.
 
 Speed: one optimizer step over about 50M parameters (48 tensors of 1024 x
 1024), every run's optimizer interleaved round by round, medians, and the
-median of per-round ratios to torch's fused float32 AdamW.
+median of per-round ratios to torch's fused float32 AdamW. One table: bytes
+per parameter, final loss at both learning rates, step time.
 
 Runs: torch AdamW float32 (reference), bfloat16 with a float32 master copy
 (torch AdamW on the master), torch AdamW on bfloat16 params, torchcast
-kahan / remainder / stochastic / kahan with bfloat16 states, optimi's AdamW
+kahan / remainder / stochastic / kahan with bfloat16 states / remainder8 and
+stochastic with 8-bit states (5 and 4 bytes per parameter), optimi's AdamW
 with Kahan summation (torch-optimi), torchao's _AdamW with
 bf16_stochastic_round=True. A peer that is not installed or fails on this
 torch is listed with the reason instead of figures.
@@ -143,6 +145,10 @@ RUNS = [
     ("torchcast remainder", torch.bfloat16, _ours(compensation="remainder"), 12),
     ("torchcast stochastic", torch.bfloat16, _ours(compensation="stochastic", seed=0), 10),
     ("torchcast kahan, bfloat16 states", torch.bfloat16, _ours(state_dtype=torch.bfloat16), 8),
+    ("torchcast remainder8, 8-bit states", torch.bfloat16,
+     _ours(compensation="remainder8", state_dtype="8bit", seed=0), 5 + 8 / 256),
+    ("torchcast stochastic, 8-bit states", torch.bfloat16,
+     _ours(compensation="stochastic", state_dtype="8bit", seed=0), 4 + 8 / 256),
     ("optimi AdamW, kahan_sum", torch.bfloat16, _optimi, 8),
     ("torchao _AdamW, bf16_stochastic_round", torch.bfloat16, _torchao, 6),
 ]
@@ -195,21 +201,37 @@ def accuracy(steps, size):
         for label, _, _, nbytes in RUNS:
             c = curves[lr][label]
             rows.append((lr, label, c if isinstance(c, str) else c[-1][1], base, nbytes))
-    lines = [f"GPT-2 architecture ({size['layers']} layers, width {size['dim']}, "
-             f"{size['heads']} heads, context {ctx}; {n_params} params) on a generated "
-             f"character stream (vocabulary {vocab}), {steps} AdamW steps of 16 x {ctx} tokens "
-             f"(betas 0.9/0.999, eps 1e-8, weight decay {WEIGHT_DECAY}), the same float64 "
-             "initialization and batches for every run; final loss: float32 cross-entropy on "
-             "256 held-out windows. Bytes: param + optimizer state per parameter.", "",
-             "| lr | optimizer, params | final loss | vs float32 | bytes/param |",
-             "|---|---|---:|---:|---:|"]
+    head = (f"GPT-2 architecture ({size['layers']} layers, width {size['dim']}, "
+            f"{size['heads']} heads, context {ctx}; {n_params} params) on a generated "
+            f"character stream (vocabulary {vocab}), {steps} AdamW steps of 16 x {ctx} tokens "
+            f"(betas 0.9/0.999, eps 1e-8, weight decay {WEIGHT_DECAY}), the same float64 "
+            "initialization and batches for every run; final loss: float32 cross-entropy on "
+            "256 held-out windows. Bytes: param + optimizer state per parameter (8-bit "
+            "states: with their block scales).")
+    return head, rows, curves
+
+
+def table(head, rows, timings, speed_label):
+    """One table: each run's bytes/param, final loss at each lr (and against
+    float32's), and its step time."""
+    by_run = {}
     for lr, label, loss, base, nbytes in rows:
-        if isinstance(loss, str):
-            lines.append(f"| {lr:g} | {label} | not run: {loss} | | {nbytes} |")
-        else:
-            lines.append(f"| {lr:g} | {label} | {loss:.4f} | {100 * (loss / base - 1):+.2f}% | "
-                         f"{nbytes} |")
-    return "\n".join(lines), curves
+        by_run.setdefault(label, {"bytes": nbytes})[lr] = (loss, base)
+    cols = " | ".join(f"loss, lr {lr:g} | vs float32" for lr in LRS)
+    lines = [head, "", f"| optimizer, params | bytes/param | {cols} | ms/step ({speed_label}) "
+             "| vs torch fused float32 |",
+             "|---|---:|" + "---:|---:|" * len(LRS) + "---:|---:|"]
+    for label, cells in by_run.items():
+        row = [label, f"{cells['bytes']:.4g}"]
+        for lr in LRS:
+            loss, base = cells[lr]
+            row += ([f"not run: {loss}", ""] if isinstance(loss, str)
+                    else [f"{loss:.4f}", f"{100 * (loss / base - 1):+.2f}%"])
+        t = timings.get(label)
+        row += ([f"not run: {t}", ""] if isinstance(t, str) else
+                [f"{t[0]:.2f}", f"{t[1]:.2f}x"] if t else ["", ""])
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def speed(rounds, shapes):
@@ -284,20 +306,16 @@ def main():
     if args.smoke:
         size, args.steps, args.rounds = dict(ctx=8, dim=16, layers=1, heads=2), 3, 1
         shapes, speed_label = [(1 << 12,)], "2^12"
-    table, curves = accuracy(args.steps, size)
+    head, rows, curves = accuracy(args.steps, size)
     timings = speed(args.rounds, shapes)
     copy_gbs = protocol.copy_bandwidth(args.rounds, 1 << 26)
     run.copy_bandwidth(copy_gbs, args.threads, 2 * 4 << 26)
-    lines = ["", f"One AdamW step over {speed_label} parameters, torch {torch.__version__}, "
-             f"torch.set_num_threads({args.threads}), {args.rounds} interleaved rounds, "
-             f"medians; {run.summary()}", "",
-             "| optimizer, params | ms/step | vs torch fused float32 |", "|---|---:|---:|"]
-    for label, t in timings.items():
-        lines.append(f"| {label} | not run: {t} | |" if isinstance(t, str)
-                     else f"| {label} | {t[0]:.2f} | {t[1]:.2f}x |")
-    text = table + "\n" + "\n".join(lines) + (
-        f"\n\nCommand: `PYTHONPATH=. python benchmarks/bench_adam_peers.py --steps {args.steps} "
-        f"--rounds {args.rounds} --threads {args.threads}`\n")
+    text = (table(head, rows, timings, speed_label) + "\n\n"
+            f"Step times: one AdamW step over {speed_label} parameters, torch "
+            f"{torch.__version__}, torch.set_num_threads({args.threads}), {args.rounds} "
+            f"interleaved rounds, medians; {run.summary()}\n\n"
+            f"Command: `PYTHONPATH=. python benchmarks/bench_adam_peers.py --steps {args.steps} "
+            f"--rounds {args.rounds} --threads {args.threads}`\n")
     print(text)
     if args.smoke:
         return 0

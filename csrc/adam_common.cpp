@@ -2,30 +2,50 @@
 
 #include <c10/util/Exception.h>
 
+#include <string>
+
 #include "cast_common.h"
 
 namespace torchcast {
 namespace {
 
-Compensation parse_compensation(std::string_view s) {
-  if (s == "none") return Compensation::kNone;
-  if (s == "kahan") return Compensation::kKahan;
-  if (s == "remainder") return Compensation::kRemainder;
-  if (s == "stochastic") return Compensation::kStochastic;
-  TORCH_CHECK_VALUE(false, "torchcast.adam_step_: compensation must be 'none', 'kahan', "
-                    "'remainder' or 'stochastic', got '", std::string(s), "'");
-  return Compensation::kNone;
+// "'none', 'kahan', 'remainder' or 'stochastic'": the table's names.
+std::string compensation_names() {
+  std::string out;
+  for (int i = 0; i < kNumCompensations; ++i) {
+    if (i > 0) out += i + 1 == kNumCompensations ? " or " : ", ";
+    out += std::string("'") + kCompensations[i].name + "'";
+  }
+  return out;
+}
+
+const CompensationInfo& parse_compensation(std::string_view s) {
+  const CompensationInfo* info = find_compensation(s);
+  TORCH_CHECK_VALUE(info != nullptr, "torchcast.adam_step_: compensation must be ",
+                    compensation_names(), ", got '", std::string(s), "'");
+  return *info;
+}
+
+uint32_t param_dtype_bit(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return kParamFloat64;
+    case at::kFloat: return kParamFloat32;
+    case at::kBFloat16: return kParamBFloat16;
+    case at::kHalf: return kParamFloat16;
+    default: return 0;
+  }
 }
 
 bool is_narrow(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
 void check_state_dtype(at::ScalarType param, at::ScalarType state, int64_t i) {
-  const bool ok = is_narrow(param) ? (state == at::kFloat || state == at::kBFloat16)
-                                   : state == param;
+  const bool ok = is_narrow(param)
+                      ? (state == at::kFloat || state == at::kBFloat16 || state == at::kChar)
+                      : state == param;
   TORCH_CHECK_TYPE(ok, "torchcast.adam_step_: param ", i, " is ", dtype_name(param),
                    " but its optimizer states are ", dtype_name(state),
-                   "; supported: float32 or bfloat16 states for bfloat16/float16 params, the "
-                   "param's own dtype for float32/float64 params");
+                   "; supported: float32, bfloat16 or 8-bit (int8) states for bfloat16/float16 "
+                   "params, the param's own dtype for float32/float64 params");
 }
 
 void check_same_shape(const at::Tensor& p, const at::Tensor& t, const char* what, int64_t i) {
@@ -47,7 +67,8 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
   const at::TensorList &params = args.params, &grads = args.grads, &exp_avgs = args.exp_avgs,
                        &exp_avg_sqs = args.exp_avg_sqs, &max_exp_avg_sqs = args.max_exp_avg_sqs,
                        &compensations = args.compensations, &state_steps = args.state_steps;
-  const Compensation mode = parse_compensation(compensation);
+  const CompensationInfo& info = parse_compensation(compensation);
+  const Compensation mode = info.mode;
   const auto n = static_cast<int64_t>(params.size());
   const auto count = [&](at::TensorList l, int64_t want, const char* what) {
     TORCH_CHECK_VALUE(static_cast<int64_t>(l.size()) == want, "torchcast.adam_step_: ",
@@ -65,21 +86,22 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
 
   const at::ScalarType pt = params[0].scalar_type();
   const at::ScalarType st = exp_avgs[0].scalar_type();
-  TORCH_CHECK_TYPE(pt == at::kDouble || pt == at::kFloat || is_narrow(pt),
+  TORCH_CHECK_TYPE(param_dtype_bit(pt) != 0,
                    "torchcast.adam_step_: params must be float64, float32, bfloat16 or float16, "
                    "got ", dtype_name(pt));
-  TORCH_CHECK_TYPE(mode != Compensation::kRemainder || pt == at::kBFloat16,
-                   "torchcast.adam_step_: compensation='remainder' stores float32 master "
-                   "weights as bfloat16 + int16 and needs bfloat16 params, got ", dtype_name(pt),
-                   "; use compensation='kahan'");
-  TORCH_CHECK_TYPE(mode != Compensation::kStochastic || is_narrow(pt),
-                   "torchcast.adam_step_: compensation='stochastic' rounds updates into "
-                   "16-bit params and needs bfloat16 or float16 params, got ", dtype_name(pt),
-                   "; use compensation='kahan'");
-  TORCH_CHECK_TYPE(mode != Compensation::kKahan || pt != at::kDouble,
-                   "torchcast.adam_step_: compensation is for float32, bfloat16 and float16 "
-                   "params, got torch.float64");
+  TORCH_CHECK_TYPE(steps_param(mode, param_dtype_bit(pt)), "torchcast.adam_step_: ", info.needs,
+                   ", got ", dtype_name(pt), "; use compensation='", info.instead, "'");
   check_state_dtype(pt, st, 0);
+  const bool eight_bit = st == at::kChar;
+  const at::ScalarType sqt = eight_bit ? at::kByte : st;
+  TORCH_CHECK_VALUE(eight_bit == args.moment_scales.has_value(), "torchcast.adam_step_: ",
+                    eight_bit ? "8-bit moments (int8 exp_avgs) need moment_scales"
+                              : "moment_scales are for 8-bit moments (int8 exp_avgs), but "
+                                "exp_avg 0 is ",
+                    eight_bit ? "" : dtype_name(st));
+  TORCH_CHECK_VALUE(!(eight_bit && amsgrad), "torchcast.adam_step_: amsgrad is not supported "
+                    "with 8-bit moments; use float32 or bfloat16 states");
+  if (eight_bit) count(*args.moment_scales, n, "moment_scales");
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK_VALUE(p.layout() == at::kStrided, "torchcast.adam_step_: param ", i,
@@ -94,16 +116,32 @@ Compensation check_adam_args(const AdamTensors& args, bool amsgrad, std::string_
                      dtype_name(grads[i].scalar_type()), " but its param is ", dtype_name(pt),
                      "; cast the gradient to the param's dtype");
     check_same_shape(p, grads[i], "grad", i);
-    const auto check_state = [&](const at::Tensor& s, const char* what) {
-      TORCH_CHECK_TYPE(s.scalar_type() == st, "torchcast.adam_step_: ", what, " ", i, " is ",
-                       dtype_name(s.scalar_type()), " but exp_avg 0 is ", dtype_name(st));
+    const auto check_state = [&](const at::Tensor& s, const char* what, at::ScalarType want) {
+      TORCH_CHECK_TYPE(s.scalar_type() == want, "torchcast.adam_step_: ", what, " ", i, " is ",
+                       dtype_name(s.scalar_type()), " but exp_avg 0 is ", dtype_name(st),
+                       eight_bit ? " (8-bit moments: exp_avg_sq is uint8)" : "");
       check_same_shape(p, s, what, i);
     };
-    check_state(exp_avgs[i], "exp_avg");
-    check_state(exp_avg_sqs[i], "exp_avg_sq");
-    if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq");
+    check_state(exp_avgs[i], "exp_avg", st);
+    check_state(exp_avg_sqs[i], "exp_avg_sq", sqt);
+    if (amsgrad) check_state(max_exp_avg_sqs[i], "max_exp_avg_sq", st);
+    if (eight_bit) {
+      const at::Tensor& sc = (*args.moment_scales)[i];
+      const int64_t blocks = (p.numel() + Moments8::kBlock - 1) / Moments8::kBlock;
+      TORCH_CHECK_VALUE(sc.scalar_type() == at::kFloat && sc.layout() == at::kStrided &&
+                            sc.dim() == 2 && sc.size(0) == 2 && sc.size(1) == blocks &&
+                            sc.is_contiguous(),
+                        "torchcast.adam_step_: moment_scales ", i, " must be a contiguous "
+                        "float32 tensor of shape (2, ", blocks, ") (one scale per moment and "
+                        "block of ", Moments8::kBlock, " elements), got ",
+                        dtype_name(sc.scalar_type()), " of shape ", sc.sizes());
+      TORCH_CHECK(sc.device() == p.device(), "torchcast.adam_step_: moment_scales ", i,
+                  " is on ", sc.device(), " but its param is on ", p.device());
+    }
     if (carries(mode)) {
-      const at::ScalarType ct = mode == Compensation::kRemainder ? at::kShort : pt;
+      const at::ScalarType ct = info.carried == kCarriesInt16 ? at::kShort
+                                 : info.carried == kCarriesInt8 ? at::kChar
+                                                                : pt;
       TORCH_CHECK_TYPE(compensations[i].scalar_type() == ct, "torchcast.adam_step_: ",
                        "compensation ", i, " is ", dtype_name(compensations[i].scalar_type()),
                        " but must be ", dtype_name(ct));

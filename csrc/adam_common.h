@@ -13,19 +13,12 @@
 #include <utility>
 #include <vector>
 
+#include "adam_modes.h"
+#include "adam_moments8.h"
+#include "adam_tally.h"
 #include "numerics.h"
 
 namespace torchcast {
-
-// How a narrow parameter takes the part of its update that rounding would
-// lose: not at all, carried in a buffer (Kahan, remainder), or rounded
-// stochastically (unbiased, nothing stored).
-enum class Compensation : int { kNone = 0, kKahan = 1, kRemainder = 2, kStochastic = 3 };
-
-// Whether the mode keeps a compensation tensor per param.
-constexpr bool carries(Compensation m) {
-  return m == Compensation::kKahan || m == Compensation::kRemainder;
-}
 
 // float64 parameters and states: computed in float64, never compensated.
 struct Float64Storage {
@@ -33,6 +26,16 @@ struct Float64Storage {
   TC_HD static double round(double d) { return d; }
   TC_HD static double widen(double s) { return s; }
 };
+
+// The ParamDtypeBit (adam_modes.h) of a param storage format.
+template <typename PT>
+constexpr uint32_t param_bit() {
+  if constexpr (std::is_same_v<PT, Float64Storage>) return kParamFloat64;
+  if constexpr (std::is_same_v<PT, Float32Target>) return kParamFloat32;
+  if constexpr (std::is_same_v<PT, BFloat16Target>) return kParamBFloat16;
+  if constexpr (std::is_same_v<PT, Float16Target>) return kParamFloat16;
+  return 0;
+}
 
 // The arithmetic type of a storage format: float32 for every narrow format.
 template <typename Target>
@@ -47,6 +50,11 @@ struct ComputeOf<Float64Storage> {
 TC_HD float tc_sqrt(float x) { return sqrtf(x); }
 TC_HD double tc_sqrt(double x) { return sqrt(x); }
 TC_HD float tc_abs(float x) { return fabsf(x); }
+// a * b + c rounded once, where ATen's CPU kernels fuse them (lerp, add with
+// alpha, addcmul on AVX2 and AVX-512): explicit, so that -ffp-contract=off
+// and --fmad=false leave every other product and sum rounded on its own.
+TC_HD float tc_fma(float a, float b, float c) { return fmaf(a, b, c); }
+TC_HD double tc_fma(double a, double b, double c) { return fma(a, b, c); }
 
 // An unsigned integer as wide as T, and a select by a mask of all ones or all
 // zeros in it: gcc does not vectorize a ?: on a loop-invariant bool, but it
@@ -66,8 +74,9 @@ MaskOf<T> mask_of(bool flag) {
 
 // Constants of one step of one parameter group, rounded once to the compute
 // type from the float64 hyperparameters (as torch rounds its Python-float
-// scalars), so that the uncompensated float32 step follows torch.optim.Adam
-// (to a rounding per step: torch divides by sqrt(1 - beta2^step)).
+// scalars), so that the uncompensated float32 step is torch.optim.Adam's
+// (foreach=False) operation for operation: docs/adam.md says where the bits
+// can still differ (torch's square root).
 // The flags are masks for blend(), uniform over the loop.
 template <typename T>
 struct AdamConsts {
@@ -81,15 +90,18 @@ struct AdamConsts {
   MaskOf<T> use_l2, lerp_small, use_decay;
 };
 
-// Constants that depend on the parameter's own step count.
-// The bias correction of the second moment is a multiply by a reciprocal
-// rounded once, not a division per element: divisions and square roots are
-// what the compensated loops spend their time on.
+// Constants that depend on the parameter's own step count. The steps that
+// give float32 Adam's bits (kDividesByBc2) divide by sqrt(1 - beta2^step) as
+// torch does; Kahan and stochastic rounding, whose results are not float32
+// Adam's anyway, multiply by its reciprocal rounded once: divisions and
+// square roots are what their compute-bound loops spend their time on.
 template <typename T>
 struct AdamTensorConsts {
   T neg_step_size;     // -lr / (1 - beta1^step)
+  T bc2_sqrt;          // (1 - beta2^step) ** 0.5, as Python computes it
   T inv_bc2_sqrt;      // 1 / sqrt(1 - beta2^step)
-  StochasticKey key;   // compensation="stochastic": of (seed, tensor, step)
+  StochasticKey key;   // the param's random bits (stochastic, remainder8): of (seed, tensor, step)
+  StochasticKey moment_key;  // 8-bit moments' random bits: another stream of the same seed
 };
 
 struct AdamHyper {
@@ -136,14 +148,19 @@ inline double bias_correction1(const AdamHyper& h, double step) {
   return 1.0 - std::pow(h.beta1, step);
 }
 
+// The step counts' top bit, never set in a count: the 8-bit moments' random
+// bits are keyed by the count with it set, a stream apart from the param's.
+constexpr uint64_t kMomentStream = uint64_t{1} << 63;
+
 // The constants of tensor `tensor` (its position in the op's lists) at its
 // step count `step` (after the increment).
 template <typename T>
 AdamTensorConsts<T> adam_tensor_consts(const AdamHyper& h, double step, size_t tensor) {
   const double bc2 = 1.0 - std::pow(h.beta2, step);
   return {neg_step_size_of<T>(h.lr, bias_correction1(h, step)),
-          static_cast<T>(1.0 / std::sqrt(bc2)),
-          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step))};
+          static_cast<T>(std::pow(bc2, 0.5)), static_cast<T>(1.0 / std::sqrt(bc2)),
+          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step)),
+          stochastic_key(h.seed, tensor, static_cast<uint64_t>(step) ^ kMomentStream)};
 }
 
 // torch.maximum: NaN in either operand gives NaN.
@@ -152,64 +169,6 @@ TC_HD T max_nan(T a, T b) {
   return (a > b || a != a) ? a : b;
 }
 
-// Update accounting (track_updates): per param, int64 entries that the step
-// adds to (the last one: a running max). torchcast/_reference/adam.py
-// UPDATE_STAT_FIELDS names them in this order.
-enum UpdateStat : int {
-  kStatElements,  // elements stepped
-  kStatUpdated,   // of those, with a finite non-zero intended update
-  kStatLost,      // of those, whose stored param did not change
-  kStatShrunk,    // of those, whose stored param changed by less than half of it
-  kStatCompSum,   // sum of |compensation| / ulp(param), in units of 2^-20
-  kStatCompMax,   // max of the same
-  kNumUpdateStats
-};
-// 2^20 units per ulp: integers add in any order to the same total, so the
-// CPU and CUDA tallies agree bit for bit; 2^43 element-steps at a full ulp
-// each before an int64 fills.
-constexpr float kCompUnits = 1048576.0f;
-// 2^22 units: a ratio past 4 ulp (a compensation is within an ulp of the
-// param it was made beside; more only where the param has just fallen by
-// binades) is clamped, so that a ratio converts to int32, which AVX2
-// vectorizes, and kTallyBlock of them add up in an int32.
-constexpr float kCompCap = 4194304.0f;
-constexpr int64_t kTallyBlock = 256;
-
-// One element's (or, summed in int32 lanes, one block's) update accounting.
-// The max is kept as the bits of a non-negative float (whose order is its
-// value's): an integer max beside the sums is what gcc vectorizes.
-struct ElementTally {
-  int32_t updated = 0, lost = 0, shrunk = 0, comp_units = 0;
-  uint32_t comp_max_bits = 0;  // float units, clamped to [0, kCompCap]
-};
-
-// One thread's tally of the update accounting over the elements it stepped.
-struct UpdateTally {
-  int64_t updated = 0, lost = 0, shrunk = 0, comp_sum = 0;
-  uint32_t comp_max_bits = 0;
-
-  TC_HD void add(const ElementTally& e) {
-    updated += e.updated;
-    lost += e.lost;
-    shrunk += e.shrunk;
-    comp_sum += e.comp_units;
-    comp_max_bits = comp_max_bits > e.comp_max_bits ? comp_max_bits : e.comp_max_bits;
-  }
-  TC_HD void merge(const UpdateTally& o) {
-    updated += o.updated;
-    lost += o.lost;
-    shrunk += o.shrunk;
-    comp_sum += o.comp_sum;
-    comp_max_bits = comp_max_bits > o.comp_max_bits ? comp_max_bits : o.comp_max_bits;
-  }
-  // The kStatCompMax entry: the largest ratio in units, truncated.
-  TC_HD int64_t comp_max() const { return static_cast<int64_t>(bit_cast<float>(comp_max_bits)); }
-};
-
-// p with its last significand bit flipped: one ulp away from p, whatever p's
-// binade (subnormals and zero included).
-TC_HD uint16_t flip_last_bit(uint16_t p) { return static_cast<uint16_t>(p ^ 1u); }
-TC_HD float flip_last_bit(float p) { return bit_cast<float>(bit_cast<uint32_t>(p) ^ 1u); }
 
 // One element of the step. PT/ST: parameter and state storage formats
 // (Float64Storage, Float32Target, BFloat16Target, Float16Target); M: how the
@@ -221,64 +180,103 @@ struct AdamElement {
   using T = typename ComputeOf<PT>::type;
   using P = typename PT::storage;
   using S = typename ST::storage;
-  using C = std::conditional_t<M == Compensation::kRemainder, int16_t, P>;
+  using C = std::conditional_t<M == Compensation::kRemainder, int16_t,
+                               std::conditional_t<M == Compensation::kRemainder8, int8_t, P>>;
   // The update accounting's arithmetic (tally_element).
   using TallyT = std::conditional_t<sizeof(P) == 2, float, double>;
   static constexpr bool kCarries = carries(M);
-  static_assert(M != Compensation::kStochastic || std::is_same_v<PT, BFloat16Target> ||
-                    std::is_same_v<PT, Float16Target>,
-                "stochastic rounding is implemented for bfloat16 and float16 params");
+  // The second moment's bias correction divides where the result is float32
+  // Adam's (the plain step, and remainder's float32 master).
+  static constexpr bool kDividesByBc2 = M == Compensation::kNone || M == Compensation::kRemainder;
+  static_assert(steps_param(M, param_bit<PT>()), "adam_modes.h: the mode does not step PT");
 
-  // index: the element's position in its tensor (the stochastic counter).
-  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
-                         P& p, P g, S& m, S& v, S& vmax, C& c, ElementTally& tally) {
-    const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
-    T pv;
+  // The weight the step starts from: the stored param, or for remainder the
+  // float32 master it and its remainder hold.
+  TC_HD static T weight_of(P p, C c) {
     if constexpr (M == Compensation::kRemainder) {
-      pv = join_bf16_remainder(p, c);
+      return join_bf16_remainder(p, c);
+    } else if constexpr (M == Compensation::kRemainder8) {
+      return join_bf16_remainder8(p, c);
     } else {
-      pv = PT::widen(p);
+      return PT::widen(p);
     }
+  }
+
+  // This step's moments of one element from the old ones (mo, vo and, under
+  // amsgrad, the old max xo): mn, vn and the new max xn. Returns the update
+  // of the weight pv: -lr * m_hat / (sqrt(v_hat) + eps), and in the
+  // compensated modes minus lr * wd * pv under decoupled decay (the plain
+  // step scales the weight by a rounded 1 - lr * wd instead, in apply);
+  // root: the square root of the second moment the denominator used.
+  TC_HD static T update_of(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, T pv, P g, T mo,
+                           T vo, T xo, T& mn, T& vn, T& xn, T& root) {
+    // torch.optim.Adam's operations, fused where ATen fuses them:
+    // grad.add(param, alpha=wd), exp_avg.lerp_(grad, 1 - beta1),
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
     T gr = PT::widen(g) * k.grad_sign;
-    gr = blend(k.use_l2, gr + k.l2 * pv, gr);
-
-    const T mo = ST::widen(m);
-    const T mn = blend(k.lerp_small, mo + k.lerp_w * (gr - mo), gr - (gr - mo) * k.lerp_wc);
-    const T vn = ST::widen(v) * k.beta2 + (k.one_minus_beta2 * gr) * gr;
-    // The stored (possibly bfloat16) moments drive the update, so a step is
-    // reproducible from the saved state.
-    m = ST::round(mn);
-    v = ST::round(vn);
-    T vv = ST::widen(v);
+    gr = blend(k.use_l2, tc_fma(pv, k.l2, gr), gr);
+    mn = blend(k.lerp_small, tc_fma(k.lerp_w, gr - mo, mo), tc_fma(-k.lerp_wc, gr - mo, gr));
+    vn = tc_fma(k.one_minus_beta2 * gr, gr, vo * k.beta2);
+    // This step's moments drive its update as computed; the stored ones are
+    // rounded to the state's format by the caller, for the next step (which
+    // reads them back, so a run resumed from a state dict steps alike).
+    // Rounding for the store only keeps it off the update's chain of
+    // dependent operations, the chain whose length bounds the loop's speed.
+    T vv = vn;
     if constexpr (kAmsgrad) {
-      vmax = ST::round(max_nan(ST::widen(vmax), vv));
-      vv = ST::widen(vmax);
+      xn = max_nan(xo, vn);
+      vv = xn;
     }
-    const T denom = tc_sqrt(vv) * t.inv_bc2_sqrt + k.eps;
-    const T upd = (t.neg_step_size * ST::widen(m)) / denom;
+    root = tc_sqrt(vv);
+    const T denom = (kDividesByBc2 ? root / t.bc2_sqrt : root * t.inv_bc2_sqrt) + k.eps;
+    const T upd = (t.neg_step_size * mn) / denom;
+    if constexpr (M == Compensation::kNone) {
+      return upd;
+    } else {
+      // Compensated, decoupled decay joins the update rather than scaling
+      // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
+      return blend(k.use_decay, upd - k.lr_wd * pv, upd);
+    }
+  }
 
-    // The intended update: upd minus lr * wd * w under decoupled decay, in
+  // Whether apply rounds with random bits (stochastic, remainder8).
+  static constexpr bool kDrawsBits = M == Compensation::kStochastic || M == Compensation::kRemainder8;
+
+  // The param's random bits at element `index` of its tensor (0 where the
+  // mode draws none): stochastic_bits of the tensor's key.
+  TC_HD static uint32_t bits_at(const AdamTensorConsts<T>& t, int64_t index) {
+    if constexpr (kDrawsBits) {
+      return stochastic_bits(t.key, index);
+    } else {
+      return 0;
+    }
+  }
+
+  // The param (and its compensation) stepped from the weight pv by the
+  // update u of update_of; bits: its random bits (bits_at).
+  TC_HD static void apply(const AdamConsts<T>& k, uint32_t bits, T pv, T u, P& p, C& c,
+                          ElementTally& tally) {
+    const T p_old = PT::widen(p);  // the stored param (for remainder: the bfloat16 half)
+    // The intended update: u minus lr * wd * w under decoupled decay, in
     // float64 (the product exact: 24 + 24 bits), then in the tally's type.
     // The plain step scales the weight by a rounded 1 - lr * wd instead,
     // whose rounding is then part of what the accounting sees; the
     // compensated modes compute the same float32 u.
     TallyT intended = 0;
     if constexpr (M == Compensation::kNone) {
-      p = PT::round(pv * k.decay + upd);
+      p = PT::round(pv * k.decay + u);
       if constexpr (kTrack) {
         const double lr_wd = static_cast<double>(blend(k.use_decay, k.lr_wd, T(0)));
-        intended = static_cast<TallyT>(static_cast<double>(upd) - lr_wd * static_cast<double>(pv));
+        intended = static_cast<TallyT>(static_cast<double>(u) - lr_wd * static_cast<double>(pv));
       }
     } else {
-      // Compensated, decoupled decay joins the update rather than scaling
-      // the weight by a rounded 1 - lr * wd (a bias of up to 2^-25 a step).
-      const T u = blend(k.use_decay, upd - k.lr_wd * pv, upd);
       if constexpr (M == Compensation::kKahan) {
         kahan_update<PT>(pv, p, c, u);
       } else if constexpr (M == Compensation::kRemainder) {
         split_bf16_remainder(pv + u, p, c);
+      } else if constexpr (M == Compensation::kRemainder8) {
+        split_bf16_remainder8(pv + u, bits, p, c);
       } else {
-        const uint32_t bits = stochastic_bits(t.key, index);
         if constexpr (std::is_same_v<PT, BFloat16Target>) {
           p = bfloat16_bits_stochastic(pv + u, bits);
         } else {
@@ -288,6 +286,19 @@ struct AdamElement {
       if constexpr (kTrack) intended = static_cast<TallyT>(u);
     }
     if constexpr (kTrack) tally_element(p, p_old, intended, c, tally);
+  }
+
+  // One whole element step: update_of, the moments rounded to ST, apply.
+  TC_HD static void step(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t index,
+                         P& p, P g, S& m, S& v, S& vmax, C& c, ElementTally& tally) {
+    const T pv = weight_of(p, c);
+    T mn, vn, xn{}, root;
+    const T u = update_of(k, t, pv, g, ST::widen(m), ST::widen(v),
+                          kAmsgrad ? ST::widen(vmax) : T(0), mn, vn, xn, root);
+    m = ST::round(mn);
+    v = ST::round(vn);
+    if constexpr (kAmsgrad) vmax = ST::round(xn);
+    apply(k, bits_at(t, index), pv, u, p, c, tally);
   }
 
   // The update accounting of one element: p and c after the step, p_old the
@@ -309,7 +320,7 @@ struct AdamElement {
       if constexpr (M == Compensation::kKahan) {
         carried = PT::widen(c);
       } else {
-        carried = join_bf16_remainder(p, c) - p_new;  // exact: within an ulp of p_new
+        carried = weight_of(p, c) - p_new;  // exact: within an ulp of p_new
       }
       const T ulp = tc_abs(PT::widen(flip_last_bit(p)) - p_new);
       // ulp is a power of two: the ratio and its scaling are exact. A
@@ -324,6 +335,32 @@ struct AdamElement {
       tally.comp_units = static_cast<int32_t>(bit_cast<float>(clamped));
       tally.comp_max_bits = clamped;
     }
+  }
+
+  // The CPU loop's two passes over a tile, on element j of the operand
+  // arrays: moments_at updates the moments and returns the update (update_of),
+  // apply_at applies it with the element's random bits. Two short loops keep
+  // more elements in flight than one long chain per element.
+  TC_HD static T moments_at(const AdamConsts<T>& k, const AdamTensorConsts<T>& t, int64_t j,
+                            const P* p, P g, S* m, S* v, S* vmax, const C* c) {
+    C cj{};
+    if constexpr (kCarries) cj = c[j];
+    T mn, vn, xn{}, root;
+    const T u = update_of(k, t, weight_of(p[j], cj), g, ST::widen(m[j]), ST::widen(v[j]),
+                          kAmsgrad ? ST::widen(vmax[j]) : T(0), mn, vn, xn, root);
+    m[j] = ST::round(mn);
+    v[j] = ST::round(vn);
+    if constexpr (kAmsgrad) vmax[j] = ST::round(xn);
+    return u;
+  }
+  TC_HD static void apply_at(const AdamConsts<T>& k, int64_t j, uint32_t bits, T u, P* p, C* c,
+                             ElementTally& tally) {
+    P pj = p[j];
+    C cj{};
+    if constexpr (kCarries) cj = c[j];
+    apply(k, bits, weight_of(pj, cj), u, pj, cj, tally);
+    p[j] = pj;
+    if constexpr (kCarries) c[j] = cj;
   }
 
   // step() on element j of the operand arrays (element `index` of the
@@ -361,34 +398,31 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
     }
   };
   const auto flags = [&](auto pt, auto st, auto m) {
-    if (amsgrad) {
+    if constexpr (std::is_same_v<decltype(st), Moments8>) {
+      tracked(pt, st, m, std::false_type{});  // check_adam_args refuses amsgrad there
+    } else if (amsgrad) {
       tracked(pt, st, m, std::true_type{});
     } else {
       tracked(pt, st, m, std::false_type{});
     }
   };
-  using None = std::integral_constant<Compensation, Compensation::kNone>;
-  using Kahan = std::integral_constant<Compensation, Compensation::kKahan>;
-  using Remainder = std::integral_constant<Compensation, Compensation::kRemainder>;
-  using Stochastic = std::integral_constant<Compensation, Compensation::kStochastic>;
+  // Every mode of the table, for the param formats its row allows.
   const auto modes = [&](auto pt, auto st) {
-    using PT = decltype(pt);
-    if constexpr (std::is_same_v<PT, Float64Storage>) {
-      flags(pt, st, None{});
-    } else {
-      if (mode == Compensation::kNone) flags(pt, st, None{});
-      if (mode == Compensation::kKahan) flags(pt, st, Kahan{});
-      if constexpr (std::is_same_v<PT, BFloat16Target>) {
-        if (mode == Compensation::kRemainder) flags(pt, st, Remainder{});
-      }
-      if constexpr (!std::is_same_v<PT, Float32Target>) {
-        if (mode == Compensation::kStochastic) flags(pt, st, Stochastic{});
-      }
-    }
+    constexpr uint32_t kParam = param_bit<decltype(pt)>();
+#define TORCHCAST_COMPENSATION_CASE(e, ...)                                        \
+  if constexpr (steps_param(Compensation::e, kParam)) {                            \
+    if (mode == Compensation::e) {                                                 \
+      flags(pt, st, std::integral_constant<Compensation, Compensation::e>{});       \
+    }                                                                              \
+  }
+    TORCHCAST_COMPENSATIONS(TORCHCAST_COMPENSATION_CASE)
+#undef TORCHCAST_COMPENSATION_CASE
   };
   const auto states = [&](auto pt) {
     if (state_dtype == at::kBFloat16) {
       modes(pt, BFloat16Target{});
+    } else if (state_dtype == at::kChar) {
+      modes(pt, Moments8{});
     } else {
       modes(pt, Float32Target{});
     }
@@ -409,6 +443,7 @@ void dispatch_adam(at::ScalarType param_dtype, at::ScalarType state_dtype, Compe
 struct TensorOperands {
   at::Tensor p, g, m, v, vmax, c;
   at::Tensor stats;  // int64[kNumUpdateStats], added to in place (never staged), or undefined
+  at::Tensor scales;  // 8-bit moments: float32 (2, blocks), in place (never staged), or undefined
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (original, staged)
 
   // grad_mutated: the pass writes the gradient too (the CUDA kernel unscales
@@ -431,6 +466,7 @@ T* operand_ptr(const at::Tensor& t) {
 struct AdamTensors {
   at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
       state_steps;
+  std::optional<at::TensorList> moment_scales;  // 8-bit moments
 };
 
 // Host-side checks shared by the backends; everything is checked before
@@ -465,13 +501,15 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool decoupled_weight_decay, std::string_view compensation,
                const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf, int64_t seed,
-               std::optional<at::TensorList> update_stats) {
+               std::optional<at::TensorList> update_stats,
+               std::optional<at::TensorList> moment_scales) {
   if constexpr (!std::is_same_v<Lr, double>) {
     TORCH_CHECK_VALUE(lr.numel() == 1, "torchcast.adam_step_: Tensor lr must be 1-element");
     if (!params.empty()) check_scalar_device(lr, "lr", params[0].device());
   }
   const Compensation mode = check_adam_args(
-      {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps},
+      {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations, state_steps,
+       moment_scales},
       amsgrad, compensation, grad_scale, found_inf, update_stats);
   if (params.empty()) return;
   Backend backend(params[0].device());
@@ -495,6 +533,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                      carries(mode) ? &compensations[i] : nullptr,
                      /*grad_mutated=*/Backend::kUnscalesInKernel && grad_scale.has_value());
     if (update_stats.has_value()) ops.back().stats = (*update_stats)[i];
+    if (moment_scales.has_value()) ops.back().scales = (*moment_scales)[i];
   }
   dispatch_adam(params[0].scalar_type(), exp_avgs[0].scalar_type(), mode, amsgrad,
                 update_stats.has_value(), [&](auto pt, auto st, auto m, auto ams, auto track) {

@@ -611,6 +611,29 @@ TC_HD float join_bf16_remainder(uint16_t hi, int16_t rem) {
                          static_cast<uint32_t>(static_cast<int32_t>(rem)));
 }
 
+// A 24-bit master weight (float32 with its low 8 bits zero) held as a
+// bfloat16 parameter and an int8 remainder (compensation="remainder8"): the
+// float32 result is first rounded to 24 bits stochastically, adding 8 random
+// bits (the top of r) below bit 8 and truncating, so the master is unbiased
+// and even an update far below its last bit moves it on average; then split
+// as split_bf16_remainder splits (the parameter the nearest bfloat16, ties
+// away from zero), the remainder the low half's top byte (its low byte is
+// zero: the shift is exact). A NaN master keeps a NaN parameter and a zero
+// remainder.
+TC_HD void split_bf16_remainder8(float master, uint32_t r, uint16_t& hi, int8_t& rem) {
+  const uint32_t u = bit_cast<uint32_t>(master);
+  const uint32_t nan = static_cast<uint32_t>(static_cast<int32_t>(0x7f800000u - (u & 0x7fffffffu)) >> 31);
+  const uint32_t u24 = (u + (r >> 24)) & 0xffffff00u;
+  const uint32_t lo = u24 & 0xffffu;
+  hi = static_cast<uint16_t>((nan & ((u >> 16) | 0x0040u)) | (~nan & ((u24 >> 16) + (lo >> 15))));
+  rem = static_cast<int8_t>(~nan & static_cast<uint32_t>(static_cast<int32_t>(bit_cast<int16_t>(static_cast<uint16_t>(lo))) >> 8));
+}
+
+TC_HD float join_bf16_remainder8(uint16_t hi, int8_t rem) {
+  return bit_cast<float>((static_cast<uint32_t>(hi) << 16) +
+                         (static_cast<uint32_t>(static_cast<int32_t>(rem)) << 8));
+}
+
 
 // ---------------------------------------------------------------------------
 // Stochastic rounding (compensation="stochastic"): a float32 value rounded to
@@ -654,6 +677,16 @@ TC_HD StochasticKey stochastic_key(uint64_t seed, uint64_t tensor, uint64_t step
 TC_HD uint32_t stochastic_bits(StochasticKey k, int64_t index) {
   const uint64_t i = static_cast<uint64_t>(index);
   return mix32(mix32(static_cast<uint32_t>(i) ^ k.lo) + (static_cast<uint32_t>(i >> 32) ^ k.hi));
+}
+
+// stochastic_bits for indices that share their high half, the second
+// mixer's addend computed once (high = stochastic_high(k, any of them)):
+// 32-bit lanes only, where the 64-bit index costs a loop twice the lanes.
+TC_HD uint32_t stochastic_high(StochasticKey k, int64_t index) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) ^ k.hi;
+}
+TC_HD uint32_t stochastic_bits_low(StochasticKey k, uint32_t high, uint32_t index_low) {
+  return mix32(mix32(index_low ^ k.lo) + high);
 }
 
 // f rounded to bfloat16 with the random bits r: adding 16 random bits below

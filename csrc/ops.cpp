@@ -10,6 +10,9 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <utility>
+
+#include "adam_modes.h"
 #include "all_finite.h"
 #include "cast_common.h"
 #include "formats.h"
@@ -63,6 +66,40 @@ PyObject* format_traits() {
   if (!ok) {
     Py_DECREF(table);
     return nullptr;
+  }
+  return table;
+}
+
+// ((name, carried, param dtypes, instead, needs), ...): adam_modes.h's table
+// of compensation modes, which tests/test_adam_modes.py checks against
+// torchcast/adam_modes.py's. carried: "nothing", "param" (a buffer of the
+// param's dtype), "int16" or "int8"; param dtypes: a tuple of dtype names.
+PyObject* adam_compensations() {
+  static constexpr const char* kCarried[] = {"nothing", "param", "int16", "int8"};
+  static constexpr std::pair<uint32_t, const char*> kDtypes[] = {
+      {torchcast::kParamFloat64, "float64"}, {torchcast::kParamFloat32, "float32"},
+      {torchcast::kParamBFloat16, "bfloat16"}, {torchcast::kParamFloat16, "float16"}};
+  PyObject* table = PyTuple_New(torchcast::kNumCompensations);
+  if (table == nullptr) return nullptr;
+  for (int i = 0; i < torchcast::kNumCompensations; ++i) {
+    const torchcast::CompensationInfo& c = torchcast::kCompensations[i];
+    PyObject* names = PyList_New(0);
+    for (const auto& [bit, name] : kDtypes) {
+      if (names == nullptr || (c.param_dtypes & bit) == 0) continue;
+      PyObject* item = PyUnicode_FromString(name);
+      if (item == nullptr || PyList_Append(names, item) < 0) Py_CLEAR(names);
+      Py_XDECREF(item);
+    }
+    PyObject* dtypes = names == nullptr ? nullptr : PyList_AsTuple(names);
+    Py_XDECREF(names);
+    PyObject* row = dtypes == nullptr ? nullptr
+                                      : Py_BuildValue("(ssNss)", c.name, kCarried[c.carried],
+                                                      dtypes, c.instead, c.needs);
+    if (row == nullptr) {
+      Py_DECREF(table);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(table, i, row);
   }
   return table;
 }
@@ -308,6 +345,13 @@ PyObject* PyInit__C(void) {
     Py_DECREF(module);
     return nullptr;
   }
+  PyObject* compensations = adam_compensations();
+  if (compensations == nullptr ||
+      PyModule_AddObject(module, "adam_compensations", compensations) < 0) {
+    Py_XDECREF(compensations);
+    Py_DECREF(module);
+    return nullptr;
+  }
   return module;
 }
 }
@@ -327,7 +371,8 @@ TORCH_LIBRARY(torchcast, m) {
   "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] compensations, Tensor(g!)[] state_steps, *, "    \
   LR ", float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, " \
   "bool decoupled_weight_decay, str compensation, Tensor? grad_scale=None, "                   \
-  "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None) -> ()"
+  "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None, "                      \
+  "Tensor(i!)[]? moment_scales=None) -> ()"
   m.def("adam_step_" TORCHCAST_ADAM_ARGS("float lr"));
   m.def("adam_step_.tensor_lr" TORCHCAST_ADAM_ARGS("Tensor lr"));
 #undef TORCHCAST_ADAM_ARGS

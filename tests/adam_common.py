@@ -58,6 +58,8 @@ def make_operands(pdtype, sdtype, mode, amsgrad, shape, gen, layout="contiguous"
         comps = [t(pdtype, 1e-4)]
     elif mode == "remainder":
         comps = [torch.randint(-2 ** 15, 2 ** 15, shape, generator=gen, dtype=torch.int16)]
+    elif mode == "remainder8":
+        comps = [torch.randint(-2 ** 7, 2 ** 7, shape, generator=gen, dtype=torch.int8)]
     else:
         comps = []
     steps = [torch.tensor(float(torch.randint(0, 50, (), generator=gen)))]

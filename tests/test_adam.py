@@ -31,7 +31,7 @@ COMBOS = [
     (torch.float32, torch.float32, "none"), (torch.float32, torch.float32, "kahan"),
     (torch.float64, torch.float64, "none"),
     *[(torch.bfloat16, s, m) for s in (torch.float32, torch.bfloat16)
-      for m in ("none", "kahan", "remainder", "stochastic")],
+      for m in ("none", "kahan", "remainder", "stochastic", "remainder8")],
     *[(torch.float16, s, m) for s in (torch.float32, torch.bfloat16)
       for m in ("none", "kahan", "stochastic")],
 ]
@@ -276,6 +276,7 @@ def test_opcheck(device):
     for pdtype, sdtype, mode in [(torch.float32, torch.float32, "none"),
                                  (torch.bfloat16, torch.float32, "kahan"),
                                  (torch.bfloat16, torch.bfloat16, "remainder"),
+                                 (torch.bfloat16, torch.float32, "remainder8"),
                                  (torch.bfloat16, torch.float32, "stochastic")]:
         ops = [lst * 2 for lst in make_operands(pdtype, sdtype, mode, True, (4, 5), gen)]
         ops = operands_on(ops, device)
@@ -567,9 +568,10 @@ MODES = [
     (torch.bfloat16, {"compensation": "stochastic", "amsgrad": True}),
     (torch.bfloat16, {"state_dtype": torch.bfloat16, "amsgrad": True}),
     (torch.float16, {"amsgrad": True}),
+    (torch.bfloat16, {"compensation": "remainder8"}),
 ]
 MODE_IDS = ["f32", "f32-kahan", "bf16-kahan", "bf16-remainder", "bf16-stochastic",
-            "bf16-bf16states", "f16"]
+            "bf16-bf16states", "f16", "bf16-remainder8"]
 
 
 def model_params(dtype, seed=0):

@@ -217,7 +217,8 @@ class _DifferentiableCast(torch.autograd.Function):
 # annotations tell torch.compile what changes.
 
 def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                        state_steps, lr, grad_scale, found_inf, update_stats=None):
+                        state_steps, lr, grad_scale, found_inf, update_stats=None,
+                        moment_scales=None):
     """The device rules of csrc/adam_common.cpp: one device for the params and
     their grads and states, the step counts on the CPU, and lr, grad_scale
     and found_inf on the CPU or the params' device. Under fake tracing every
@@ -233,7 +234,8 @@ def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, c
         for what, tensors in (("grad", grads), ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs),
                               ("max_exp_avg_sq", max_exp_avg_sqs),
                               ("compensation", compensations),
-                              ("update_stats", update_stats or [])):
+                              ("update_stats", update_stats or []),
+                              ("moment_scales", moment_scales or [])):
             if i < len(tensors) and tensors[i].device != p.device:
                 raise RuntimeError(f"torchcast.adam_step_: {what} {i} is on {tensors[i].device} "
                                    f"but its param is on {p.device}")
@@ -252,9 +254,9 @@ def _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, c
 def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                     state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
                     decoupled_weight_decay, compensation, grad_scale=None, found_inf=None,
-                    seed=0, update_stats=None):
+                    seed=0, update_stats=None, moment_scales=None):
     _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                        state_steps, lr, grad_scale, found_inf, update_stats)
+                        state_steps, lr, grad_scale, found_inf, update_stats, moment_scales)
     return None
 
 
@@ -262,9 +264,10 @@ def _adam_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compe
 def _adam_step_tensor_lr_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                               compensations, state_steps, *, lr, beta1, beta2, weight_decay,
                               eps, amsgrad, maximize, decoupled_weight_decay, compensation,
-                              grad_scale=None, found_inf=None, seed=0, update_stats=None):
+                              grad_scale=None, found_inf=None, seed=0, update_stats=None,
+                              moment_scales=None):
     _check_adam_devices(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-                        state_steps, lr, grad_scale, found_inf, update_stats)
+                        state_steps, lr, grad_scale, found_inf, update_stats, moment_scales)
     return None
 
 

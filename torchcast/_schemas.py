@@ -7,7 +7,8 @@ _ADAM_ARGS = (
     "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] compensations, Tensor(g!)[] state_steps, *, "
     "{lr}, float beta1, float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, "
     "bool decoupled_weight_decay, str compensation, Tensor? grad_scale=None, "
-    "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None) -> ()")
+    "Tensor? found_inf=None, int seed=0, Tensor(h!)[]? update_stats=None, "
+    "Tensor(i!)[]? moment_scales=None) -> ()")
 
 SCHEMAS = {
     "cast_with_stats": "cast_with_stats(Tensor x, ScalarType dtype, Tensor? scale=None, *, "

@@ -14,7 +14,10 @@ from types import SimpleNamespace
 
 import torch
 
+from ..adam_modes import COMPENSATIONS, compensation_names, refusal
+from . import moments8
 from .compensated import neumaier_add, settled
+from .rounding import fma
 
 
 def compute_dtype(param_dtype):
@@ -47,14 +50,19 @@ def tensor_constants(compute, lr, beta1, beta2, step, seed=0, tensor=0):
     for stochastic rounding, its key from the seed and its position
     ``tensor`` in the op's lists)."""
     r = _rounder(compute)
+    bc2 = 1.0 - beta2 ** step
     return SimpleNamespace(neg_step_size=r(-(lr / (1.0 - beta1 ** step))),
-                           inv_bc2_sqrt=r(1.0 / math.sqrt(1.0 - beta2 ** step)),
-                           key=stochastic_key(seed, tensor, int(step)))
+                           bc2_sqrt=r(bc2 ** 0.5), inv_bc2_sqrt=r(1.0 / math.sqrt(bc2)),
+                           key=stochastic_key(seed, tensor, int(step)),
+                           moment_key=stochastic_key(seed, tensor, int(step) ^ MOMENT_STREAM))
 
 
 # -- stochastic rounding (numerics.h), on Python ints and int64 tensors ----------
 
 _M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+# adam_common.h kMomentStream: the 8-bit moments' bits are keyed by the step
+# count with its top bit set.
+MOMENT_STREAM = 1 << 63
 
 
 def splitmix64(z):
@@ -157,6 +165,28 @@ def split_bf16_remainder(master):
     return _as_int16(hi).view(torch.bfloat16), _as_int16(torch.where(nan, 0, lo))
 
 
+def join_bf16_remainder8(p, rem):
+    """numerics.h join_bf16_remainder8: the 24-bit master weight held by a
+    bfloat16 param and its int8 remainder."""
+    hi = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((hi << 16) + (rem.to(torch.int64) << 8)) & 0xFFFFFFFF
+    bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def split_bf16_remainder8(master, r):
+    """numerics.h split_bf16_remainder8: float32 master rounded to 24 bits
+    stochastically with the random bits r (int64 tensor of uint32 values),
+    as (bfloat16 param, int8 remainder)."""
+    u = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    u24 = (u + (r >> 24)) & 0xFFFFFF00
+    lo = u24 & 0xFFFF
+    hi = torch.where(nan, (u >> 16) | 0x40, (u24 >> 16) + (lo >> 15)) & 0xFFFF
+    rem = torch.where(nan, 0, _as_int16(lo).to(torch.int64) >> 8)
+    return _as_int16(hi).view(torch.bfloat16), rem.to(torch.int8)
+
+
 def kahan_update(pv, p, c, u):
     """numerics.h kahan_update: p, c <- one rounding of pv + (u + c)."""
     t, e = neumaier_add(pv, 0.0, u + c.to(pv.dtype))
@@ -167,7 +197,8 @@ def kahan_update(pv, p, c, u):
 # -- update accounting (adam_common.h UpdateStat, UpdateTally) -------------------
 
 # The entries of one param's update_stats tensor (int64), in the kernel's order.
-UPDATE_STAT_FIELDS = ("elements", "updated", "lost", "shrunk", "comp_sum", "comp_max")
+UPDATE_STAT_FIELDS = ("elements", "updated", "lost", "shrunk", "comp_sum", "comp_max",
+                      "exp_avg_lost", "exp_avg_off", "exp_avg_sq_lost", "exp_avg_sq_off")
 COMP_UNITS = 2 ** 20  # comp_sum and comp_max count |compensation| / ulp in 2^-20 units
 _COMP_CAP = float(2 ** 22)  # units: a ratio past 4 ulp is clamped
 
@@ -190,9 +221,9 @@ def _tally(stats, p, p_old, intended, mode, c):
     add = [p.numel(), int(updated.sum()), int((updated & (change == 0)).sum()),
            int((updated & (2.0 * change.abs() < intended.abs())).sum()), 0]
     q_max = 0
-    if mode in ("kahan", "remainder"):
+    if c is not None:
         p_new = p.float()
-        carried = c.float() if mode == "kahan" else join_bf16_remainder(p, c) - p_new
+        carried = c.float() if mode == "kahan" else _weight_of(p, c, mode) - p_new
         ulp = (flip_last_bit(p).float() - p_new).abs()
         units = (carried.abs() / ulp) * float(COMP_UNITS)
         capped = torch.where(units < _COMP_CAP, units,
@@ -205,39 +236,57 @@ def _tally(stats, p, p_old, intended, mode, c):
     stats[5] = max(int(stats[5]), q_max)
 
 
-def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
-    p_old = p.clone()
-    pv = join_bf16_remainder(p, c) if mode == "remainder" else p.to(compute)
+def _weight_of(p, c, mode):
+    """AdamElement::weight_of: the weight a param (and its remainder) holds."""
+    if mode == "remainder":
+        return join_bf16_remainder(p, c)
+    if mode == "remainder8":
+        return join_bf16_remainder8(p, c)
+    return p
+
+
+def _update_of(k, t, compute, mode, amsgrad, pv, g, mo, vo, xo):
+    """AdamElement::update_of: (u, mn, vn, xn, root) from the weight pv and
+    the old moments (xo: the old max under amsgrad, else None)."""
     gr = g.to(compute) * k.grad_sign
     if k.use_l2:
-        gr = gr + k.l2 * pv
-    mo = m.to(compute)
+        gr = fma(pv, k.l2, gr)
     if k.lerp_small:
-        mn = mo + k.lerp_w * (gr - mo)
+        mn = fma(k.lerp_w, gr - mo, mo)
     else:
-        mn = gr - (gr - mo) * k.lerp_wc
-    vn = v.to(compute) * k.beta2 + (k.one_minus_beta2 * gr) * gr
-    m.copy_(mn)
-    v.copy_(vn)
-    vv = v.to(compute)
-    if amsgrad:
-        vmax.copy_(torch.maximum(vmax.to(compute), vv))
-        vv = vmax.to(compute)
-    denom = _sqrt(vv) * t.inv_bc2_sqrt + k.eps
-    upd = (t.neg_step_size * m.to(compute)) / denom
+        mn = fma(-k.lerp_wc, gr - mo, gr)
+    vn = fma(k.one_minus_beta2 * gr, gr, vo * k.beta2)
+    # This step's moments drive its update; the stored ones are rounded.
+    xn = torch.maximum(xo, vn) if amsgrad else None
+    root = _sqrt(xn if amsgrad else vn)
+    if mode in ("none", "remainder"):  # adam_common.h kDividesByBc2
+        denom = root / t.bc2_sqrt + k.eps
+    else:
+        denom = root * t.inv_bc2_sqrt + k.eps
+    upd = (t.neg_step_size * mn) / denom
+    u = upd - k.lr_wd * pv if k.use_decay and mode != "none" else upd
+    return u, mn, vn, xn, root
+
+
+def _apply(k, t, mode, p, c, pv, u, stats):
+    """AdamElement::apply: p (and c) stepped from pv by u, tallied into stats."""
+    p_old = p.clone() if stats is not None else None
     if mode == "none":
-        p.copy_(pv * k.decay + upd)
+        p.copy_(pv * k.decay + u)
         if stats is not None:
-            intended = upd.double() - (k.lr_wd if k.use_decay else 0.0) * pv.double()
+            intended = u.double() - (k.lr_wd if k.use_decay else 0.0) * pv.double()
             _tally(stats, p, p_old, intended, mode, c)
         return
-    u = upd - k.lr_wd * pv if k.use_decay else upd
     if mode == "kahan":
         kahan_update(pv, p, c, u)
     elif mode == "stochastic":
         bits = stochastic_bits(t.key, element_index(p)).to(p.device)
         rounded = bfloat16_stochastic if p.dtype == torch.bfloat16 else float16_stochastic
         p.copy_(rounded(pv + u, bits))
+    elif mode == "remainder8":
+        hi, lo = split_bf16_remainder8(pv + u, stochastic_bits(t.key, element_index(p)).to(p.device))
+        p.copy_(hi)
+        c.copy_(lo)
     else:
         hi, lo = split_bf16_remainder(pv + u)
         p.copy_(hi)
@@ -246,20 +295,68 @@ def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
         _tally(stats, p, p_old, u.double(), mode, c)
 
 
+def _step_tensor(k, t, compute, mode, amsgrad, p, g, m, v, vmax, c, stats=None):
+    pv = _weight_of(p, c, mode).to(compute)
+    u, mn, vn, xn, _ = _update_of(k, t, compute, mode, amsgrad, pv, g, m.to(compute),
+                                  v.to(compute), vmax.to(compute) if amsgrad else None)
+    m.copy_(mn)
+    v.copy_(vn)
+    if amsgrad:
+        vmax.copy_(xn)
+    _apply(k, t, mode, p, c, pv, u, stats)
+
+
+def _step_tensor_moments8(k, t, mode, p, g, m, v, scales, c, stats=None):
+    """The step of a param with 8-bit moments (adam_run_moments8): every
+    operand taken in the order the kernel steps p (element_index), in
+    blocks of moments8.BLOCK, and written back in place."""
+    n = p.numel()
+    idx = element_index(p).reshape(-1).to(p.device)
+
+    def ordered(x):
+        return torch.empty(n, dtype=x.dtype, device=x.device).scatter_(0, idx, x.reshape(-1))
+
+    pf, gf, mq, rq = ordered(p), ordered(g), ordered(m), ordered(v)
+    cf = ordered(c) if c is not None else None
+    block = torch.arange(n, device=p.device) // moments8.BLOCK
+    pv = _weight_of(pf, cf, mode).float()
+    ro = moments8.root_of(rq, scales[1][block])
+    u, mn, _, _, root = _update_of(k, t, torch.float32, mode, False, pv, gf,
+                                   moments8.m_of(mq, scales[0][block]), ro * ro, None)
+    new_scales = torch.stack([moments8.block_scales(mn, block, scales.shape[1]),
+                              moments8.block_scales(root, block, scales.shape[1])])
+    bits = stochastic_bits(t.moment_key, torch.arange(n, dtype=torch.int64)).to(p.device)
+    mq = moments8.m_code(mn, 1.0 / _nonzero(new_scales[0])[block], bits >> 16)
+    rq = moments8.root_code(root, 1.0 / _nonzero(new_scales[1])[block], bits & 0xFFFF)
+    if stats is not None:
+        moments8.tally(stats, mn, mq, new_scales[0][block], root, rq, new_scales[1][block])
+    _apply(k, t, mode, pf, cf, pv, u, stats)
+    scales.copy_(new_scales)
+    for x, flat in ((p, pf), (m, mq), (v, rq), (c, cf)):
+        if x is not None:
+            x.copy_(flat[idx].view(x.shape))
+
+
+def _nonzero(s):
+    """Moments8::inverse's guard: 1 / s for s > 0, else 1 / inf = 0."""
+    return torch.where(s > 0, s, torch.full_like(s, float("inf")))
+
+
 _NARROW = (torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float64, torch.float32) + _NARROW
 
 
 def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, amsgrad, compensation, update_stats=None):
+               state_steps, amsgrad, compensation, update_stats=None, moment_scales=None):
     """The argument checks of csrc/adam_common.cpp (check_adam_args), with its
     exception types and messages."""
     def fail(kind, message):
         raise kind(f"torchcast.adam_step_: {message}")
 
-    if compensation not in ("none", "kahan", "remainder", "stochastic"):
-        fail(ValueError, "compensation must be 'none', 'kahan', 'remainder' or 'stochastic', "
-                         f"got '{compensation}'")
-    carries = compensation in ("kahan", "remainder")
+    mode = COMPENSATIONS.get(compensation)
+    if mode is None:
+        fail(ValueError, f"compensation must be {compensation_names()}, got '{compensation}'")
+    carries = mode.carried is not None
     n = len(params)
     for lst, want, what in ((grads, n, "grads"), (exp_avgs, n, "exp_avgs"),
                             (exp_avg_sqs, n, "exp_avg_sqs"),
@@ -274,21 +371,24 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
     if n == 0:
         return
     pt, st = params[0].dtype, exp_avgs[0].dtype
-    if pt not in (torch.float64, torch.float32) + _NARROW:
+    if pt not in _PARAM_DTYPES:
         fail(TypeError, f"params must be float64, float32, bfloat16 or float16, got {pt}")
-    if compensation == "remainder" and pt != torch.bfloat16:
-        fail(TypeError, "compensation='remainder' stores float32 master weights as bfloat16 + "
-                        f"int16 and needs bfloat16 params, got {pt}; use compensation='kahan'")
-    if compensation == "stochastic" and pt not in _NARROW:
-        fail(TypeError, "compensation='stochastic' rounds updates into 16-bit params and needs "
-                        f"bfloat16 or float16 params, got {pt}; use compensation='kahan'")
-    if compensation == "kahan" and pt == torch.float64:
-        fail(TypeError, "compensation is for float32, bfloat16 and float16 params, got "
-                        "torch.float64")
-    if not (st in (torch.float32, torch.bfloat16) if pt in _NARROW else st == pt):
+    if refusal(compensation, pt):
+        fail(TypeError, f"{mode.needs}, got {pt}; use compensation='{mode.instead}'")
+    if not (st in (torch.float32, torch.bfloat16, torch.int8) if pt in _NARROW else st == pt):
         fail(TypeError, f"param 0 is {pt} but its optimizer states are {st}; supported: "
-                        "float32 or bfloat16 states for bfloat16/float16 params, the param's "
-                        "own dtype for float32/float64 params")
+                        "float32, bfloat16 or 8-bit (int8) states for bfloat16/float16 params, "
+                        "the param's own dtype for float32/float64 params")
+    eight_bit = st == torch.int8
+    sqt = torch.uint8 if eight_bit else st
+    if eight_bit != (moment_scales is not None):
+        fail(ValueError, "8-bit moments (int8 exp_avgs) need moment_scales" if eight_bit else
+             f"moment_scales are for 8-bit moments (int8 exp_avgs), but exp_avg 0 is {st}")
+    if eight_bit and amsgrad:
+        fail(ValueError, "amsgrad is not supported with 8-bit moments; use float32 or bfloat16 "
+                         "states")
+    if eight_bit and len(moment_scales) != n:
+        fail(ValueError, f"{n} moment_scales expected (one per param), got {len(moment_scales)}")
 
     def same_shape(p, t, what, i):
         if t.layout != torch.strided:
@@ -300,7 +400,7 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
         if t.device != p.device:
             fail(RuntimeError, f"{what} {i} is on {t.device} but its param is on {p.device}")
 
-    comp_dtype = torch.int16 if compensation == "remainder" else pt
+    comp_dtype = mode.carried_dtype(pt)
     for i, p in enumerate(params):
         if p.layout != torch.strided:
             fail(ValueError, f"param {i} is not a dense tensor")
@@ -314,13 +414,25 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
             fail(TypeError, f"grad {i} is {grads[i].dtype} but its param is {pt}; cast the "
                             "gradient to the param's dtype")
         same_shape(p, grads[i], "grad", i)
-        moments = [("exp_avg", exp_avgs[i]), ("exp_avg_sq", exp_avg_sqs[i])]
+        moments = [("exp_avg", exp_avgs[i], st), ("exp_avg_sq", exp_avg_sqs[i], sqt)]
         if amsgrad:
-            moments.append(("max_exp_avg_sq", max_exp_avg_sqs[i]))
-        for what, t in moments:
-            if t.dtype != st:
-                fail(TypeError, f"{what} {i} is {t.dtype} but exp_avg 0 is {st}")
+            moments.append(("max_exp_avg_sq", max_exp_avg_sqs[i], st))
+        for what, t, want in moments:
+            if t.dtype != want:
+                fail(TypeError, f"{what} {i} is {t.dtype} but exp_avg 0 is {st}"
+                                f"{' (8-bit moments: exp_avg_sq is uint8)' if eight_bit else ''}")
             same_shape(p, t, what, i)
+        if eight_bit:
+            sc, blocks = moment_scales[i], moments8.blocks_of(p.numel())
+            if not (sc.dtype == torch.float32 and sc.layout == torch.strided and sc.dim() == 2
+                    and tuple(sc.shape) == (2, blocks) and sc.is_contiguous()):
+                fail(ValueError, f"moment_scales {i} must be a contiguous float32 tensor of "
+                                 f"shape (2, {blocks}) (one scale per moment and block of "
+                                 f"{moments8.BLOCK} elements), got {sc.dtype} of shape "
+                                 f"{list(sc.shape)}")
+            if sc.device != p.device:
+                fail(RuntimeError, f"moment_scales {i} is on {sc.device} but its param is on "
+                                   f"{p.device}")
         if carries:
             if compensations[i].dtype != comp_dtype:
                 fail(TypeError, f"compensation {i} is {compensations[i].dtype} but must be "
@@ -349,11 +461,11 @@ def check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
                state_steps, *, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
                decoupled_weight_decay, compensation, grad_scale=None, found_inf=None, seed=0,
-               update_stats=None):
+               update_stats=None, moment_scales=None):
     """torch.ops.torchcast.adam_step_ in pure PyTorch."""
     check_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensations,
-               state_steps, amsgrad, compensation, update_stats)
-    carries = compensation in ("kahan", "remainder")
+               state_steps, amsgrad, compensation, update_stats, moment_scales)
+    carries = COMPENSATIONS[compensation].carried is not None
     if not params:
         return
     if found_inf is not None and found_inf.item() != 0:
@@ -370,7 +482,11 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, compensati
         step = state_steps[i]
         step.add_(1)
         t = tensor_constants(compute, lr, beta1, beta2, step.item(), seed, i)
+        c = compensations[i] if carries else None
+        stats = None if update_stats is None else update_stats[i]
+        if moment_scales is not None:
+            _step_tensor_moments8(k, t, compensation, p, grads[i], exp_avgs[i], exp_avg_sqs[i],
+                                  moment_scales[i], c, stats)
+            continue
         _step_tensor(k, t, compute, compensation, amsgrad, p, grads[i], exp_avgs[i],
-                     exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None,
-                     compensations[i] if carries else None,
-                     None if update_stats is None else update_stats[i])
+                     exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None, c, stats)

@@ -93,6 +93,41 @@ def _two_product_error(a, b):
     return ((ah * bh - p) + ah * bl + al * bh) + al * bl
 
 
+def _sum_to_odd(x, y):
+    """x + y rounded to odd, for float64 tensors: the nearest sum, its last
+    bit set toward the exact one where inexact (TwoSum's error)."""
+    s = x + y
+    back = s - x
+    err = (x - (s - back)) + (y - back)
+    bits = s.view(torch.int64)
+    toward = torch.where((err > 0) == (s > 0), bits + 1, bits - 1)
+    inexact = (err != 0) & torch.isfinite(s) & ((bits & 1) == 0)
+    return torch.where(inexact, toward, bits).view(torch.float64)
+
+
+def fma(a, b, c):
+    """a * b + c rounded once, as C's fmaf / fma (the Adam kernels'
+    tc_fma), for float32 or float64 values (tensors, with Python floats
+    that are values of their dtype). float32: the product is exact in
+    float64 and the sum is rounded to odd there, so that rounding to float32
+    is the one rounding. float64: Boldo and Melquiond's emulation, exact
+    product (Dekker), TwoSum with c, the low parts summed to odd, one
+    rounding; exact where _two_product_error is (no product underflow)."""
+    t = next(x for x in (a, b, c) if isinstance(x, torch.Tensor))
+    if t.device.type == "mps":  # no float64 there
+        return a * b + c
+    a, b, c = (torch.as_tensor(x, dtype=torch.float64, device=t.device) for x in (a, b, c))
+    if t.dtype != torch.float64:
+        return _sum_to_odd(a * b, c).to(torch.float32)
+    uh = a * b
+    ul = _two_product_error(*torch.broadcast_tensors(a, b))
+    th = c + uh
+    back = th - c
+    tl = (c - (th - back)) + (uh - back)
+    out = th + _sum_to_odd(tl, ul)
+    return torch.where(torch.isfinite(uh) & torch.isfinite(th), out, uh + c)
+
+
 def scaled_to_odd(x, scale):
     """x * scale rounded to odd in float64, as numerics.h's scaled_to_odd:
     exact for float32 and narrower x; for float64 x the product rounded to

@@ -9,7 +9,7 @@ import torch
 
 from .._reference.adam import COMP_UNITS, UPDATE_STAT_FIELDS
 
-__all__ = ["UpdateRecord", "UpdateStats"]
+__all__ = ["UpdateRecord", "UpdateStats", "MOMENT_FIELDS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,14 @@ class UpdateRecord:
         comp_mean_ulp: mean over element-steps of |compensation| / ulp of
             the parameter after the step (compensated modes; 0 otherwise).
         comp_max_ulp: the largest such ratio.
+        exp_avg_lost, exp_avg_off, exp_avg_sq_lost, exp_avg_sq_off: 8-bit
+            moments (``state_dtype="8bit"``; 0 for other formats): of the
+            element-steps, those whose stored moment was code 0 though its
+            float32 value was not (lost), and those whose stored moment
+            differs from its float32 value by more than half that value
+            (off, lost ones included); exp_avg_sq compared as the second
+            moment itself. Their fractions say when a block's scale, set by
+            its largest element, leaves the others unresolved.
     """
 
     group: int
@@ -54,6 +62,10 @@ class UpdateRecord:
     shrunk: int
     comp_mean_ulp: float
     comp_max_ulp: float
+    exp_avg_lost: int = 0
+    exp_avg_off: int = 0
+    exp_avg_sq_lost: int = 0
+    exp_avg_sq_off: int = 0
 
     @property
     def lost_fraction(self) -> float:
@@ -65,12 +77,23 @@ class UpdateRecord:
         """shrunk / updated (0 when nothing was updated)."""
         return self.shrunk / self.updated if self.updated else 0.0
 
+    @property
+    def moment_fractions(self) -> Dict[str, float]:
+        """{"exp_avg_lost": ..., "exp_avg_off": ..., "exp_avg_sq_lost": ...,
+        "exp_avg_sq_off": ...}: each count / elements (0 when none)."""
+        return {key: getattr(self, key) / self.elements if self.elements else 0.0
+                for key in MOMENT_FIELDS}
+
+
+MOMENT_FIELDS = ("exp_avg_lost", "exp_avg_off", "exp_avg_sq_lost", "exp_avg_sq_off")
+_MAX_FIELD = UPDATE_STAT_FIELDS.index("comp_max")
+
 
 def _record(group, index, name, v: Tuple[int, ...]) -> UpdateRecord:
-    elements, updated, lost, shrunk, comp_sum, comp_max = v
+    elements, updated, lost, shrunk, comp_sum, comp_max, *moments = v
     return UpdateRecord(group, index, name, elements, updated, lost, shrunk,
                         comp_sum / COMP_UNITS / elements if elements else 0.0,
-                        comp_max / COMP_UNITS)
+                        comp_max / COMP_UNITS, *moments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +106,19 @@ class UpdateStats:
     groups: List[UpdateRecord]
 
     def __str__(self) -> str:
+        moments = any(getattr(r, f) for r in self.groups for f in MOMENT_FIELDS)
         head = (f"{'param':<28} {'elements':>12} {'lost':>8} {'<half':>8} {'comp mean':>10} "
-                f"{'comp max':>9}")
+                f"{'comp max':>9}" + (f" {'m lost':>8} {'m off':>8} {'v lost':>8} {'v off':>8}"
+                                      if moments else ""))
         lines = [head, "-" * len(head)]
         for r in self.groups + self.params:
             label = (f"group {r.group}" if r.index is None
                      else f"  {r.name or f'param {r.index}'}")
-            lines.append(f"{label[:28]:<28} {r.elements:>12} {r.lost_fraction:>8.2%} "
-                         f"{r.shrunk_fraction:>8.2%} {r.comp_mean_ulp:>10.3f} "
-                         f"{r.comp_max_ulp:>9.3f}")
+            line = (f"{label[:28]:<28} {r.elements:>12} {r.lost_fraction:>8.2%} "
+                    f"{r.shrunk_fraction:>8.2%} {r.comp_mean_ulp:>10.3f} {r.comp_max_ulp:>9.3f}")
+            if moments:
+                line += "".join(f" {f:>8.2%}" for f in r.moment_fractions.values())
+            lines.append(line)
         return "\n".join(lines)
 
     def to_tensorboard(self, writer: Any, step: int, prefix: str = "torchcast") -> None:
@@ -112,6 +139,9 @@ class UpdateStats:
                 where += f"/{r.name or f'param{r.index}'}"
             for key in ("lost_fraction", "shrunk_fraction", "comp_mean_ulp", "comp_max_ulp"):
                 writer.add_scalar(f"{where}/{key}", getattr(r, key), step)
+            for key, fraction in r.moment_fractions.items():
+                if getattr(r, key):
+                    writer.add_scalar(f"{where}/{key}_fraction", fraction, step)
 
 
 def new_counter(local: torch.Tensor) -> torch.Tensor:
@@ -137,7 +167,8 @@ def collect(param_groups, counters: Dict[torch.Tensor, torch.Tensor], reset: boo
         names = group.get("param_names")
         params.append(_record(gi, i, names[i] if names else None, v))
         t = totals.get(gi, (0,) * len(UPDATE_STAT_FIELDS))
-        totals[gi] = tuple(a + b for a, b in zip(t[:-1], v[:-1])) + (max(t[-1], v[-1]),)
+        totals[gi] = tuple(max(a, b) if f == _MAX_FIELD else a + b
+                           for f, (a, b) in enumerate(zip(t, v)))
     if reset:
         for _, _, p, _ in located:
             counters[p].zero_()

@@ -12,8 +12,15 @@ read (``is_dtensor``, ``real_dtype``)."""
 import torch
 
 from .. import _ops
+from .._reference.moments8 import blocks_of
+from ..adam_modes import EIGHT_BIT, MOMENT_FORMATS, COMPENSATIONS, compensation_names, refusal
 
-_STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+_STATE_DTYPES = (None,) + tuple(f.option for f in MOMENT_FORMATS.values())
+_SCALES = "moment_scales"
+# The compensation modes by the state key of what they carry.
+_CARRIED_BY_KEY = {c.state_key: c for c in COMPENSATIONS.values() if c.state_key}
+# The compensation options of the optimizer: every mode but "none" (compensated=False).
+_OPTIONS = tuple(m for m in COMPENSATIONS if m != "none")
 _STEP_DTYPES = (torch.float32, torch.float64)
 _MISSING = object()
 _DTENSOR = None  # torch.distributed.tensor.DTensor once looked up, False without it
@@ -238,31 +245,32 @@ def check_param(name, group, gi, i, p, mode) -> None:
     if not (p.is_floating_point() or p.is_complex()):
         raise TypeError(f"torchcast.optim.{name}: {where} is not floating point; "
                         "only floating-point params can be optimized")
-    if group["compensation"] not in ("kahan", "remainder", "stochastic"):
-        raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be 'kahan', "
-                         f"'remainder' or 'stochastic', got {group['compensation']!r}")
-    if group["state_dtype"] not in _STATE_DTYPES:
+    if group["compensation"] not in _OPTIONS:
+        raise ValueError(f"torchcast.optim.{name}: {where}: compensation must be "
+                         f"{compensation_names(_OPTIONS)}, got {group['compensation']!r}")
+    if not any(group["state_dtype"] is d or group["state_dtype"] == d for d in _STATE_DTYPES):
         raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype must be None, "
-                         f"torch.float32 or torch.bfloat16, got {group['state_dtype']}")
+                         f"torch.float32, torch.bfloat16 or '{EIGHT_BIT}', got "
+                         f"{group['state_dtype']!r}")
+    if group["state_dtype"] == EIGHT_BIT and p.dtype in (torch.bfloat16, torch.float16):
+        why = ("amsgrad" if group["amsgrad"] else "a DTensor param" if is_dtensor(p) else None)
+        if why:
+            raise ValueError(f"torchcast.optim.{name}: {where}: state_dtype='{EIGHT_BIT}' does "
+                             f"not support {why}; use state_dtype=torch.bfloat16 (or None) "
+                             "for it, e.g. in its own param group")
     dtype = real_dtype(p)
-    if mode == "kahan" and dtype == torch.float64:
-        raise ValueError(f"torchcast.optim.{name}: {where}: compensation is for float32, "
-                         "bfloat16 and float16 params; float64 needs none "
-                         "(pass compensated=None or False)")
-    if mode == "remainder" and (dtype != torch.bfloat16 or p.is_complex()):
-        raise ValueError(
-            f"torchcast.optim.{name}: {where}: compensation='remainder' holds float32 "
-            "master weights as bfloat16 + int16 and needs bfloat16 params; use "
-            "compensation='kahan' for this one (e.g. in its own param group)")
-    if mode == "stochastic" and dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"torchcast.optim.{name}: {where}: compensation='stochastic' rounds updates "
-            "into 16-bit params and needs bfloat16 or float16 params; use "
-            "compensation='kahan' for this one (e.g. in its own param group)")
+    needs = refusal(mode, dtype)
+    if needs:
+        instead = COMPENSATIONS[mode].instead
+        fix = ("float64 needs none (pass compensated=None or False)" if instead == "none" else
+               f"use compensation='{instead}' for this one (e.g. in its own param group)")
+        raise ValueError(f"torchcast.optim.{name}: {where}: {needs}; {fix}")
     # complex32 is the one complex dtype of a narrow (float16) real part.
-    if p.dtype == torch.complex32 and group["state_dtype"] == torch.bfloat16:
-        raise ValueError(f"torchcast.optim.{name}: {where}: there is no complex bfloat16 "
-                         "for the states of a complex param; use state_dtype=None")
+    if p.dtype == torch.complex32 and (group["state_dtype"] is torch.bfloat16
+                                       or group["state_dtype"] == EIGHT_BIT):
+        raise ValueError(f"torchcast.optim.{name}: {where}: there is no complex "
+                         f"{group['state_dtype']} for the states of a complex param; use "
+                         "state_dtype=None")
 
 
 def check_fused(name, gi, i, p) -> None:
@@ -341,27 +349,37 @@ def check_state(name, gi, i, p, state, keys, moments) -> None:
                     and t.numel() == 1):
                 _raise_bad_state(name, gi, i, p, key, t, None)
             continue
-        want = (p.dtype if key == "compensation" else
-                torch.int16 if key == "remainder" else moments)
+        if key == _SCALES:
+            blocks = blocks_of(p.numel())
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                    and tuple(t.shape) == (2, blocks) and t.device == device
+                    and t.layout is torch.strided and t.is_contiguous()):
+                _raise_bad_state(name, gi, i, p, key, t, torch.float32, (2, blocks))
+            continue
+        carrier = _CARRIED_BY_KEY.get(key)
+        want = moments if carrier is None else carrier.carried_dtype(p.dtype)
+        if key == "exp_avg_sq" and moments == torch.int8:
+            want = torch.uint8  # 8-bit moments
         if not (isinstance(t, torch.Tensor) and t.dtype == want and t.shape == shape
                 and t.device == device and t.layout is torch.strided
                 and (t.is_contiguous() or not overlaps(t))):
             _raise_bad_state(name, gi, i, p, key, t, want)
 
 
-def _raise_bad_state(name, gi, i, p, key, t, want):
+def _raise_bad_state(name, gi, i, p, key, t, want, shape=None):
     where = f"state '{key}' of {describe(gi, i, p)}"
+    shape = tuple(p.shape) if shape is None else shape
     if key == "step":
         raise TypeError(f"torchcast.optim.{name}: {where} must be a one-element float32 "
                         f"or float64 CPU tensor, got {what(t)}; nothing was updated")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"torchcast.optim.{name}: {where} is {what(t)}, expected a {want} "
-                        f"tensor of shape {tuple(p.shape)}; nothing was updated")
+                        f"tensor of shape {shape}; nothing was updated")
     if t.layout is torch.strided and t.shape == p.shape and overlaps(t):
         raise overlap_error(name, where, t)
     raise ValueError(
         f"torchcast.optim.{name}: {where} is {what(t)}, but must be a dense {want} tensor "
-        f"of shape {tuple(p.shape)} on {p.device}; nothing was updated (was a state dict "
+        f"of shape {shape} on {p.device}; nothing was updated (was a state dict "
         "of another model loaded, or the state replaced by hand?)")
 
 
@@ -404,7 +422,15 @@ def check_loaded_state(name, gi, i, p, saved, known) -> None:
     missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if saved and k not in saved]
     if missing:
         raise ValueError(f"{where} lacks {missing}{tail}")
+    scaled = _SCALES in saved
     for key, value in saved.items():
+        if key == _SCALES:
+            blocks = blocks_of(p.numel())
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and tuple(value.shape) == (2, blocks)):
+                raise ValueError(f"{where}: {key!r} is {what(value)}, expected a float32 "
+                                 f"tensor of shape (2, {blocks}) (8-bit moments){tail}")
+            continue
         if key == "step":
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
                 isinstance(value, torch.Tensor) and value.numel() == 1
@@ -423,8 +449,12 @@ def check_loaded_state(name, gi, i, p, saved, known) -> None:
         if value.layout != torch.strided:
             raise ValueError(f"{where}: {key!r} is a {value.layout} tensor; optimizer "
                              f"states are dense{tail}")
-        if key == "remainder":
-            ok, want = value.dtype == torch.int16, "torch.int16"
+        carrier = _CARRIED_BY_KEY.get(key)
+        if carrier is not None and carrier.carried != "param":
+            ok, want = value.dtype == carrier.carried, str(carrier.carried)
+        elif scaled and key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            want = torch.int8 if key == "exp_avg" else torch.uint8
+            ok, want = value.dtype == want, f"{want} (8-bit moments, with 'moment_scales')"
         elif p.is_complex():
             ok, want = value.is_complex(), "a complex dtype (the param is complex)"
         else:
@@ -432,6 +462,16 @@ def check_loaded_state(name, gi, i, p, saved, known) -> None:
         if not ok:
             raise ValueError(f"{where}: {key!r} is {value.dtype}, expected {want}"
                              f" (param: {p.dtype}){tail}")
+
+
+def lossy_load_error(name, gi, i, p, key, have, want) -> ValueError:
+    """A loaded state whose moments the optimizer's format cannot hold as
+    they are."""
+    return ValueError(
+        f"{name}.load_state_dict: the state of {describe(gi, i, p)} keeps {key!r} as "
+        f"{have}, which this optimizer's moment format ({want}) cannot hold as it is: "
+        "loading would round it; nothing was loaded. Load it into an optimizer whose "
+        "state_dtype holds it, or pass round_moments=True to round the moments")
 
 
 # -- seed_compensation ------------------------------------------------------------

@@ -2,63 +2,22 @@
 fused pass per dtype group, with parameters kept in their own dtype and their
 rounding errors carried to the next step (Kahan compensation, or the low half
 of a float32 master weight for bfloat16)."""
-import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from .. import _ops
-from .._reference import adam as adam_reference
-from . import _update_stats, _validation
+from ..adam_modes import EIGHT_BIT
+from . import _state, _step, _update_stats, _validation
 from ._update_stats import UpdateStats
-from ._validation import is_dtensor, real_dtype
+from ._validation import real_dtype
 
 __all__ = ["Adam", "AdamW"]
 
-_NARROW = (torch.bfloat16, torch.float16)
-_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
-               torch.float64: torch.complex128}
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-# The state key of the compensation a mode carries (the op's compensations).
-_CARRIES = {"kahan": "compensation", "remainder": "remainder"}
 _OWN_GROUP_KEYS = ("compensated", "compensation", "state_dtype", "cast_grads", "seed",
                    "track_updates")
-_OWN_STATE_KEYS = ("compensation", "remainder")
-_KNOWN_STATE_KEYS = ("step",) + _MOMENTS + _OWN_STATE_KEYS
-# The state keys of a param, by (compensation mode, amsgrad).
-_STATE_KEYS = {
-    (mode, ams): ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
-    + {"none": (), "kahan": ("compensation",), "remainder": ("remainder",),
-       "stochastic": ()}[mode]
-    for mode in ("none", "kahan", "remainder", "stochastic") for ams in (False, True)
-}
-
-
-def _local(t):
-    """The tensor the kernel works on: a DTensor's local shard, complex as
-    (real, imag) pairs (as torch's Adam steps complex params)."""
-    if is_dtensor(t):
-        t = t.to_local()
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-@dataclasses.dataclass(slots=True)
-class _Batch:
-    """The tensors of one adam_step_ call (one device, param dtype, state
-    dtype and compensation mode), in the op's argument order; lists left
-    empty where amsgrad or compensation is off. Slots: step() appends to
-    these once per param, and a slot is the quickest attribute to reach."""
-
-    params: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    grads: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    exp_avgs: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    max_exp_avg_sqs: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    compensations: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    state_steps: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    update_stats: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class _Loaded:
@@ -111,7 +70,8 @@ class Adam(Optimizer):
             True also float32 (where updates fall below half an ulp of the
             weights), and rejects float64 params, which need none; False
             never (default: None).
-        seed (int, optional): the seed of ``compensation="stochastic"``, in
+        seed (int, optional): the seed of ``compensation="stochastic"`` and
+            ``"remainder8"`` and of 8-bit moments, in
             [0, 2^63): the random bits of element j of a param at step s are
             a hash of (seed, param group, param, s, j), so the same seed
             gives the same bits whatever the thread count or device, and a
@@ -131,12 +91,18 @@ class Adam(Optimizer):
             int16, so that param + remainder is the float32 master bit for
             bit, at the same 2 bytes per parameter; "stochastic" (bfloat16
             and float16 params) keeps nothing and rounds each updated weight
-            to the param's dtype up or down at random, unbiased, from ``seed``
-            (default: "kahan").
-        state_dtype (torch.dtype, optional): the dtype of ``exp_avg`` and
-            ``exp_avg_sq`` (and ``max_exp_avg_sq``) of bfloat16 and float16
-            params: torch.float32 or torch.bfloat16; None means float32.
-            float32 and float64 params keep theirs in their own dtype
+            to the param's dtype up or down at random, unbiased, from ``seed``;
+            "remainder8" (bfloat16 params only) keeps an int8 remainder, so
+            that param + remainder is a 24-bit master weight, rounded to 24
+            bits stochastically each step (default: "kahan").
+        state_dtype (torch.dtype or str, optional): how bfloat16 and float16
+            params keep ``exp_avg`` and ``exp_avg_sq`` (and
+            ``max_exp_avg_sq``): torch.float32, torch.bfloat16, or "8bit" (a
+            byte per moment and a float32 scale per block of 256 elements,
+            square-root companded, rounded stochastically from ``seed``; no
+            amsgrad, DTensor or complex params); None means float32. float32
+            and float64 params keep theirs in their own dtype. A loaded
+            state dict's moments convert to it (see ``load_state_dict``)
             (default: None).
         cast_grads (bool, optional): whether a gradient whose dtype or device
             differs from its param's is cast with ``torchcast.safe_to``;
@@ -185,7 +151,8 @@ class Adam(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 track_updates: Union[bool, int] = False, state_dtype: Optional[torch.dtype] = None,
+                 track_updates: Union[bool, int] = False,
+                 state_dtype: Optional[Union[torch.dtype, str]] = None,
                  cast_grads: bool = False, decoupled_weight_decay: bool = False,
                  foreach: Optional[bool] = None, fused: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False):
@@ -248,26 +215,9 @@ class Adam(Optimizer):
                 group.setdefault(key, value)
         for p_state in self.state.values():
             if isinstance(p_state, dict) and "step" in p_state:
-                p_state["step"] = self._step_tensor(p_state["step"])
+                p_state["step"] = _state.step_tensor(p_state["step"])
 
     # -- configuration --------------------------------------------------------
-
-    def _mode(self, group, dtype):
-        if group["differentiable"]:
-            return "none"
-        on = group["compensated"]
-        if on is None:
-            on = dtype in _NARROW
-        return group["compensation"] if on else "none"
-
-    @staticmethod
-    def _state_dtype(group, p):
-        if group["differentiable"]:
-            return p.dtype  # torch's own step keeps states in the param's dtype
-        dtype = real_dtype(p)
-        sd = group["state_dtype"] if group["state_dtype"] is not None else torch.float32
-        sd = sd if dtype in _NARROW else dtype
-        return _COMPLEX_OF[sd] if p.is_complex() else sd
 
     def _check_param(self, group, gi, i, p):
         """The param fits its group's options (once per combination of
@@ -277,49 +227,17 @@ class Adam(Optimizer):
         if key in self._valid_configs:
             return
         _validation.check_param(type(self).__name__, group, gi, i, p,
-                                self._mode(group, real_dtype(p)))
+                                _state.mode_of(group, real_dtype(p)))
         self._valid_configs.add(key)
 
-    @staticmethod
-    def _step_tensor(step):
-        # Kept on the CPU (as torch's non-fused Adam does): the kernels read it
-        # on the host, no device synchronization.
-        if torch.is_tensor(step):
-            return step if step.device.type == "cpu" and step.dtype in (
-                torch.float32, torch.float64) else step.to("cpu", torch.float32)
-        return torch.tensor(float(step), dtype=torch.float32)
-
-    def _state(self, group, p, mode):
+    def _full_state(self, group, p, mode):
         """The param's state, complete for its mode (the usual case: checked
         by its keys alone)."""
         state = self.state[p]
-        keys = _STATE_KEYS[(mode, bool(group["amsgrad"]))]
+        keys = _state.state_keys(group, p, mode)
         if len(state) == len(keys) and all(k in state for k in keys):
             return state
-        return self._init_state(group, p)
-
-    def _init_state(self, group, p):
-        """The param's state, with whatever is missing created: lazily on the
-        first step, after loading a torch.optim.Adam state (no compensation),
-        or after amsgrad or another compensation mode was switched on."""
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        sd = self._state_dtype(group, p)
-        for key in _MOMENTS[:3 if group["amsgrad"] else 2]:
-            if key not in state:
-                state[key] = torch.zeros_like(p, dtype=sd, memory_format=torch.preserve_format)
-        mode = self._mode(group, real_dtype(p))
-        if mode == "kahan" and "compensation" not in state:
-            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if mode == "remainder" and "remainder" not in state:
-            state["remainder"] = torch.zeros_like(p, dtype=torch.int16,
-                                                  memory_format=torch.preserve_format)
-        # A group switched to another mode drops what the old one kept.
-        for key, owner in (("compensation", "kahan"), ("remainder", "remainder")):
-            if mode != owner:
-                state.pop(key, None)
-        return state
+        return _state.init_state(state, group, p)
 
     # -- step -----------------------------------------------------------------
 
@@ -352,10 +270,10 @@ class Adam(Optimizer):
 
     def _check_state(self, group, gi, i, p, state):
         """The param's existing state fits what the step will use."""
-        mode = self._mode(group, real_dtype(p))
+        mode = _state.mode_of(group, real_dtype(p))
         _validation.check_state(type(self).__name__, gi, i, p, state,
-                                _STATE_KEYS[(mode, bool(group["amsgrad"]))],
-                                self._state_dtype(group, p))
+                                _state.state_keys(group, p, mode),
+                                _state.moment_dtype(group, p))
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Performs a single optimization step, on every param with a grad.
@@ -394,83 +312,23 @@ class Adam(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         for gi, (group, items) in enumerate(self._checked_work()):
             if group["differentiable"]:
-                self._torch_step(group, items, grad_scale, found_inf)
+                _step.torch_step(group, items, partial(self._full_state, group), grad_scale,
+                                 found_inf)
                 continue
-            amsgrad = bool(group["amsgrad"])
             every = int(group["track_updates"])
             track = every > 0 and self._steps_taken % every == 0
-            batches = {}  # (device, dtype, state dtype, mode) -> _Batch
-            for p, g in items:
-                plain = not (p.is_complex() or is_dtensor(p))
-                local = p if plain else _local(p)
-                mode = self._mode(group, local.dtype)
-                state = self._state(group, p, mode)
-                tensors = [g, state["exp_avg"], state["exp_avg_sq"]]
-                if amsgrad:
-                    tensors.append(state["max_exp_avg_sq"])
-                if mode in _CARRIES:
-                    tensors.append(state[_CARRIES[mode]])
-                if not plain:
-                    tensors = [_local(t) for t in tensors]
-                key = (local.device, local.dtype, tensors[1].dtype, mode)
-                b = batches.get(key)
-                if b is None:
-                    b = batches[key] = _Batch()
-                b.params.append(local)
-                b.grads.append(tensors[0])
-                b.exp_avgs.append(tensors[1])
-                b.exp_avg_sqs.append(tensors[2])
-                if amsgrad:
-                    b.max_exp_avg_sqs.append(tensors[3])
-                if mode in _CARRIES:
-                    b.compensations.append(tensors[-1])
-                b.state_steps.append(state["step"])
-                if track:
-                    counter = self._update_counters.get(p)
-                    if counter is None or counter.device != local.device:
-                        counter = self._update_counters[p] = _update_stats.new_counter(local)
-                    b.update_stats.append(counter)
-            for bi, ((device, _, _, mode), batch) in enumerate(batches.items()):
-                seed = _stream_seed(group["seed"], gi, bi) if mode == "stochastic" else 0
-                self._launch(group, device, mode, batch, grad_scale, found_inf, seed, track)
+            _step.step_group(group, gi, items, partial(self._full_state, group),
+                             self._counter if track else None, grad_scale, found_inf)
         self._steps_taken += 1
         return loss
 
-    def _torch_step(self, group, items, grad_scale, found_inf):
-        """differentiable=True: torch's own single-tensor Adam on this group's
-        tensors, so that autograd sees every operation (torchcast's kernel is
-        opaque to it). No compensation in this mode (checked at construction)."""
-        from torch.optim.adam import adam as torch_adam
-        lists = [[] for _ in range(6)]
-        for p, g in items:
-            state = self._state(group, p, "none")
-            for lst, t in zip(lists, (p, g, state["exp_avg"], state["exp_avg_sq"],
-                                      state.get("max_exp_avg_sq"), state["step"])):
-                if t is not None:
-                    lst.append(t)
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
-        beta1, beta2 = group["betas"]
-        torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                   foreach=False, capturable=False, differentiable=True, fused=False,
-                   grad_scale=grad_scale, found_inf=found_inf,
-                   has_complex=any(p.is_complex() for p in params),
-                   decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
-                   amsgrad=bool(group["amsgrad"]), beta1=beta1, beta2=beta2, lr=group["lr"],
-                   weight_decay=group["weight_decay"], eps=group["eps"],
-                   maximize=bool(group["maximize"]))
-
-    def _launch(self, group, device, mode, batch, grad_scale, found_inf, seed, track):
-        beta1, beta2 = group["betas"]
-        _ops.adam_step_(
-            batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs,
-            batch.max_exp_avg_sqs, batch.compensations, batch.state_steps,
-            fused=group["fused"], lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
-            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-            amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
-            decoupled_weight_decay=bool(group["decoupled_weight_decay"]), compensation=mode,
-            grad_scale=None if grad_scale is None else grad_scale.to(device),
-            found_inf=None if found_inf is None else found_inf.to(device), seed=seed,
-            update_stats=batch.update_stats if track else None)
+    def _counter(self, p, lp):
+        """p's update_stats counter, on the device of lp (the tensor the
+        kernel steps), made at its first counted step."""
+        counter = self._update_counters.get(p)
+        if counter is None or counter.device != lp.device:
+            counter = self._update_counters[p] = _update_stats.new_counter(lp)
+        return counter
 
     def update_stats(self, reset: bool = False) -> UpdateStats:
         """What rounding did to the updates of the params stepped with
@@ -512,34 +370,44 @@ class Adam(Optimizer):
         if not torch_format:
             return sd
         return {
-            "state": {k: {n: v for n, v in s.items() if n not in _OWN_STATE_KEYS}
-                      for k, s in sd["state"].items()},
+            "state": {k: _state.torch_format(s) for k, s in sd["state"].items()},
             "param_groups": [{n: v for n, v in g.items() if n not in _OWN_GROUP_KEYS}
                              for g in sd["param_groups"]],
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], *, round_moments: bool = False) -> None:
         """Loads the optimizer state, as ``torch.optim.Optimizer.load_state_dict``,
         but every state keeps its own dtype (torch's casts each floating state
         to its param's dtype, pytorch issue 43706): moments in this
-        optimizer's state dtype, compensation in the param's, remainders in
-        int16, the step count on the CPU. A torch.optim.Adam/AdamW state loads
-        too: compensation then starts at zero, and compensation of a mode this
-        optimizer does not use is dropped.
+        optimizer's moment format, compensation in the param's, remainders in
+        int16 or int8, the step count on the CPU. A torch.optim.Adam/AdamW
+        state loads too: compensation then starts at zero, and compensation of
+        a mode this optimizer does not use is dropped. The moment format
+        (``state_dtype``) stays this optimizer's, and the saved moments
+        convert to it where nothing is lost (bfloat16 or 8-bit ones to
+        float32, 8-bit codes dequantized exactly); a conversion that would
+        round them (float32 to bfloat16 or 8-bit, bfloat16 to 8-bit) raises,
+        unless ``round_moments``.
 
         Args:
             state_dict (dict): optimizer state. Should be an object returned
                 from a call to ``state_dict()`` of this class or of
                 torch.optim.Adam/AdamW.
+            round_moments (bool, optional): round moments kept in a wider
+                format to this optimizer's (to the nearest bfloat16 or 8-bit
+                code) instead of raising (default: False).
 
         Raises:
             ValueError: the dict does not fit this optimizer (param groups
                 and their options, every state entry's keys, shapes and
-                dtypes against its param, all checked before anything is
-                installed); the message names the param group, the index in
-                it and what is wrong, and the optimizer is left as it was.
+                dtypes against its param, moments this optimizer's format
+                cannot hold without ``round_moments``, all checked before
+                anything is installed); the message names the param group,
+                the index in it and what is wrong, and the optimizer is left
+                as it was.
         """
-        pre = self.register_load_state_dict_pre_hook(_check_and_adopt_states)
+        pre = self.register_load_state_dict_pre_hook(
+            partial(_check_and_adopt_states, round_moments=round_moments))
         post = self.register_load_state_dict_post_hook(_unwrap_states, prepend=True)
         try:
             super().load_state_dict(state_dict)
@@ -557,6 +425,8 @@ class Adam(Optimizer):
             merged = dict(self.defaults)
             merged.update(saved)
             merged["params"] = group["params"]
+            # The moment format is this optimizer's: the saved moments convert to it.
+            merged["state_dtype"] = saved["state_dtype"] = group["state_dtype"]
             try:
                 _validation.check_group(type(self).__name__, merged, gi)
                 for i, p in enumerate(group["params"]):
@@ -565,23 +435,6 @@ class Adam(Optimizer):
                 raise _validation.load_error(type(self).__name__, e) from None
             for i, (p, pid) in enumerate(zip(group["params"], saved["params"])):
                 out[pid] = (gi, i, p, merged)
-        return out
-
-    def _adopt(self, group, p, saved):
-        mode = self._mode(group, real_dtype(p))
-        target = {key: self._state_dtype(group, p) for key in _MOMENTS}
-        if mode == "kahan":
-            target["compensation"] = p.dtype
-        if mode == "remainder":
-            target["remainder"] = torch.int16
-        out = {}
-        for key, value in saved.items():
-            if key == "step":
-                out[key] = self._step_tensor(value)
-            elif key in target:
-                out[key] = _like(p, value, target[key])
-            elif key not in _OWN_STATE_KEYS:
-                out[key] = value
         return out
 
     @torch.no_grad()
@@ -627,20 +480,7 @@ class Adam(Optimizer):
             if state:
                 self._check_state(group, gi, i, p, state)
         for (gi, i, p, group), w in zip(params, weights):
-            state = self._init_state(group, p)
-            mode = self._mode(group, real_dtype(p))
-            local = _local(p)
-            w = _local(w.detach()).to(local.device)
-            if mode == "remainder":
-                hi, lo = adam_reference.split_bf16_remainder(w.float())
-                local.copy_(hi)
-                _local(state["remainder"]).copy_(lo)
-                continue
-            local.copy_(w)
-            if mode == "kahan":
-                wide = w.dtype if w.dtype == torch.float64 else torch.float32
-                w = w.to(wide)
-                _local(state["compensation"]).copy_(w - local.to(wide))
+            _state.seed(self.state[p], group, p, w)
 
 
 class AdamW(Adam):
@@ -665,7 +505,8 @@ class AdamW(Adam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, compensated: Optional[bool] = None,
                  compensation: str = "kahan", seed: Optional[int] = None,
-                 track_updates: Union[bool, int] = False, state_dtype: Optional[torch.dtype] = None,
+                 track_updates: Union[bool, int] = False,
+                 state_dtype: Optional[Union[torch.dtype, str]] = None,
                  cast_grads: bool = False, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False):
@@ -684,29 +525,12 @@ class AdamW(Adam):
             group["decoupled_weight_decay"] = True
 
 
-def _stream_seed(seed, gi, bi):
-    """The op's seed for batch bi of param group gi: the group's seed mixed
-    with both, so that groups sharing a seed draw independent bits (the op
-    mixes in each param's position and step count), as a signed int64."""
-    z = adam_reference.splitmix64(adam_reference.splitmix64(seed) ^ ((gi << 32) | bi))
-    return z - 2 ** 64 if z >= 2 ** 63 else z
-
-
-def _like(p, value, dtype):
-    """value as a state of p: p's device, the given dtype, p's memory order."""
-    if not torch.is_tensor(value):
-        return value
-    out = value.to(device=p.device, dtype=dtype)
-    if out.shape == p.shape and out.stride() != p.stride():
-        out = torch.empty_like(p, dtype=dtype).copy_(out)
-    return out
-
-
-def _check_and_adopt_states(optimizer, state_dict):
+def _check_and_adopt_states(optimizer, state_dict, round_moments):
     """Load pre-hook, the last one to run: checks the whole dict against the
     optimizer and converts every param's state before torch installs any of
     it (a failed load leaves the optimizer as it was). The converted states
     travel wrapped in _Loaded, so that torch's load does not cast them again."""
+    state_dict["param_groups"] = [dict(g) for g in state_dict["param_groups"]]  # not the caller's
     targets = optimizer._loaded_groups(state_dict["param_groups"])
     state = {}
     for key, value in state_dict["state"].items():
@@ -715,8 +539,12 @@ def _check_and_adopt_states(optimizer, state_dict):
             continue
         gi, i, p, group = targets[key]
         _validation.check_loaded_state(type(optimizer).__name__, gi, i, p, value,
-                                       _KNOWN_STATE_KEYS)
-        state[key] = _Loaded(optimizer._adopt(group, p, value))
+                                       _state.KNOWN_STATE_KEYS)
+        try:
+            state[key] = _Loaded(_state.adopt(type(optimizer).__name__, gi, i, group, p, value,
+                                              round_moments))
+        except (TypeError, RuntimeError) as e:  # a dict of mismatched tensors
+            raise _validation.load_error(type(optimizer).__name__, e) from None
     state_dict["state"] = state
     return state_dict
 
