@@ -27,6 +27,7 @@ import torch
 
 from torchcast._reference import adam as adam_ref
 from torchcast._reference import cast as cast_ref
+from torchcast._reference import moments8 as moments8_ref
 from torchcast.formats import BLOCK_FORMATS
 from torchcast.stats import STAT_FIELDS
 
@@ -390,6 +391,9 @@ ADAM_FORMATS = [
     (torch.bfloat16, torch.float32, "kahan"), (torch.bfloat16, torch.float32, "remainder"),
     (torch.bfloat16, torch.bfloat16, "none"), (torch.bfloat16, torch.bfloat16, "stochastic"),
     (torch.float16, torch.float32, "kahan"), (torch.float16, torch.float32, "stochastic"),
+    # 8-bit moments (state_dtype="8bit"): codes and a scale per block of 256.
+    (torch.bfloat16, "8bit", "stochastic"), (torch.bfloat16, "8bit", "remainder8"),
+    (torch.float16, "8bit", "kahan"),
 ]
 # Tensors of the group: one across two chunk boundaries, one element, exactly
 # a chunk, a short one, one across two more: nine blocks.
@@ -410,9 +414,20 @@ def _adam_case(fmt, variant, seed):
     def make():
         gen = torch.Generator().manual_seed(seed)
         ops = [[] for _ in range(7)]
+        scales = []
         for n in ADAM_SIZES:
-            one = make_operands(pdtype, sdtype, mode, o.get("amsgrad", False), (n,), gen,
-                                o.get("layout", "contiguous"), o.get("edge", False))
+            if sdtype == "8bit":
+                one = make_operands(pdtype, torch.float32, mode, False, (n,), gen,
+                                    o.get("layout", "contiguous"), o.get("edge", False))
+                # the moments as codes, a scale per block for each
+                one[2] = [t.new_empty(t.shape, dtype=torch.int8).copy_(
+                    torch.randint(-128, 128, t.shape, generator=gen)) for t in one[2]]
+                one[3] = [t.new_empty(t.shape, dtype=torch.uint8).copy_(
+                    torch.randint(0, 256, t.shape, generator=gen)) for t in one[3]]
+                scales.append(torch.rand(2, moments8_ref.blocks_of(n), generator=gen) * 0.01)
+            else:
+                one = make_operands(pdtype, sdtype, mode, o.get("amsgrad", False), (n,), gen,
+                                    o.get("layout", "contiguous"), o.get("edge", False))
             for lst, t in zip(ops, one):
                 lst += t
         kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=o.get("wd", 0.0), eps=1e-8,
@@ -426,13 +441,16 @@ def _adam_case(fmt, variant, seed):
         if o.get("track"):
             kw["update_stats"] = [torch.zeros(len(adam_ref.UPDATE_STAT_FIELDS), dtype=torch.int64)
                                   for _ in ADAM_SIZES]
+        if scales:
+            kw["moment_scales"] = scales
         return dict(ops=ops, kw=kw)
-    name = f"{str(pdtype)[6:]}-{str(sdtype)[6:]}-{mode}-{id}"
+    name = f"{str(pdtype)[6:]}-{str(sdtype).replace('torch.', '')}-{mode}-{id}"
     return Case(name, make)
 
 
 ADAM_CASES = [_adam_case(fmt, variant, i * 10 + j) for i, fmt in enumerate(ADAM_FORMATS)
-              for j, variant in enumerate(ADAM_VARIANTS)]
+              for j, variant in enumerate(ADAM_VARIANTS)
+              if not (fmt[1] == "8bit" and variant[1].get("amsgrad"))]  # 8-bit: no amsgrad
 ADAM_OPERANDS = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation",
                  "step")
 
@@ -443,17 +461,21 @@ def check_adam(case: Case, device: Device) -> None:
     a = case.make()
     ops, kw = a["ops"], a["kw"]
     want = [[x.clone() for x in lst] for lst in ops]
-    want_kw = {k: [t.clone() for t in v] if k == "update_stats" else v for k, v in kw.items()}
+    listed = ("update_stats", "moment_scales")  # written by the step: a copy each
+    want_kw = {k: [t.clone() for t in v] if k in listed else v for k, v in kw.items()}
     overload = "tensor_lr" if isinstance(kw["lr"], torch.Tensor) else "default"
     getattr(OPS.adam_step_, overload)(*want, **want_kw)
     got = operands_on(ops, device.name)
-    got_kw = {k: ([device.to(t).clone() for t in v] if k == "update_stats" else
+    got_kw = {k: ([device.to(t).clone() for t in v] if k in listed else
                   device.to(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     getattr(device.op("adam_step_"), overload)(*got, **got_kw)
     for name, lw, lg in zip(ADAM_OPERANDS, want, got):
         for i, (w, g) in enumerate(zip(lw, lg)):
             assert g.stride() == w.stride(), name
             assert_same_bits(w, g.cpu(), f"{name} {i}")
+    for i, (w, g) in enumerate(zip(want_kw.get("moment_scales", []),
+                                   got_kw.get("moment_scales", []))):
+        assert_same_bits(w, g.cpu(), f"moment_scales {i}")
     counts = zip(want_kw.get("update_stats", []), got_kw.get("update_stats", []))
     for i, (w, g) in enumerate(counts):
         assert torch.equal(w, g.cpu()), f"update_stats {i}: {g.tolist()} != {w.tolist()}"

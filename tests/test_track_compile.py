@@ -181,3 +181,13 @@ def test_policy_raise_in_a_compiled_graph():
     with torch.no_grad(), torchcast.track(all_casts=True, policy="raise"):
         with pytest.raises(torchcast.PrecisionLossError, match="overflow"):
             compiled(_inputs())
+
+
+def test_the_warning_of_graphs_compiled_before_points_at_the_track(tmp_path):
+    compiled = torch.compile(lambda t: t * 2, backend="inductor")
+    compiled(torch.ones(3))  # compiled outside any track
+    with pytest.warns(RuntimeWarning, match="compiled 1 frame") as caught:
+        with torchcast.track(all_casts=True):
+            pass  # the track warned
+    (warning,) = caught
+    assert (warning.filename, warning.lineno) == (_FILE, _line("pass  # the track warned") - 1)

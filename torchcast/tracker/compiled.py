@@ -275,7 +275,10 @@ def warn_uninstrumented() -> None:
     """Warns, at the entry of a track(all_casts=True), if Dynamo compiled
     code outside any track since the last one was left: an Inductor graph
     compiled outside a track runs inside it as it was compiled, its casts
-    unseen. (Each compiled code object is warned about once.)"""
+    unseen. (Each compiled code object is warned about once.) The warning
+    points at the program's ``with track(...)`` line: stacklevel 5 passes
+    this function, CastRecording.start, features.start_all and
+    track.__enter__."""
     codes = _compiled_codes()
     outside = [code for code in codes if code not in _known_codes]
     _known_codes.update(codes)
@@ -286,7 +289,7 @@ def warn_uninstrumented() -> None:
             "track are not recorded when it runs inside one (Dynamo reuses it as it is; "
             "graphs compiled inside a track, and those of the \"eager\" and \"aot_eager\" "
             "backends, are recorded). Call torch.compiler.reset() before the track to have "
-            "them compiled again, measured.", RuntimeWarning, stacklevel=3)
+            "them compiled again, measured.", RuntimeWarning, stacklevel=5)
 
 
 def instrumenting() -> bool:

@@ -80,7 +80,7 @@ def warn_if_threads_unseen() -> None:
                       "track(all_casts=True) records the casts of the thread that entered "
                       "it (and of processes forked from it), not of other threads, and "
                       "under autocast it labels the program's own casts as autocast's.",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=5)
 
 
 def watch_other_threads(recorder: CastRecorder) -> None:
