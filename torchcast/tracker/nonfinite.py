@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from types import FrameType
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -58,7 +59,7 @@ from .nonfinite_origin import NonFiniteError, NonFiniteWarning, floating_data, w
 from .op_args import any_nonfinite, bound, device_flag, input_infos, written
 from .origin import NonFiniteOrigin
 from .reach import StepTracker
-from .sites import user_site
+from .sites import Site, user_site
 
 ACTIONS = ("raise", "raise_at_op", "record", "warn")
 PENDING_LIMIT = 256
@@ -352,16 +353,24 @@ class NonFiniteWatch:
             # on, and only reading its inputs tells its own from those.
             return
         batch = native.defer_writes(True)
-        params = {id(p.untyped_storage()) for group in optimizer.param_groups
-                  for p in group["params"] if type(p) in PLAIN_TENSOR_TYPES}
         _batches[batch] = (raw, user_site(sys._getframe(1), skip_own=True),
-                           type(optimizer).__name__, params)
+                           type(optimizer).__name__, weakref.ref(optimizer))
+        while len(_batches) > _BATCHES_KEPT:
+            # A later step rewrote what this one wrote (the same parameters).
+            del _batches[next(iter(_batches))]
 
     def found_deferred(self, func, out: torch.Tensor, batch: int) -> None:
         """An op of optimizer step ``batch`` wrote NaN/inf into ``out`` (seen
         where it was next read, or at the end): an origin of that step, its
         inputs not read; its NaN/inf reached what the step wrote."""
-        raw, site, name, params = _batches[batch]
+        # A step long before (not rewritten since) is known by its op alone.
+        raw, site, name, optimizer = _batches.get(batch) or (
+            None, Site("<an optimizer step more than 64 steps before>", 0, None), "an optimizer",
+            lambda: None)
+        optimizer = optimizer()
+        params = () if optimizer is None else {
+            id(p.untyped_storage()) for group in optimizer.param_groups for p in group["params"]
+            if type(p) in PLAIN_TENSOR_TYPES}
         values = _ops.readable(out)
         origin = NonFiniteOrigin(
             op=f"{func.namespace}::{op_name(func)}", module=None, phase="forward", node=None,
@@ -427,8 +436,10 @@ class NonFiniteWatch:
 
 
 # The optimizer steps whose writes the C++ watch checks where they are next
-# read: batch -> (raw step, the user's site of step(), optimizer, param ids).
+# read: batch -> (raw step, the user's site of step(), the optimizer's class
+# name, a weak reference to it).
 _batches: Dict[int, tuple] = {}
+_BATCHES_KEPT = 64
 
 _DEFERRED_NOTE = (
     "Found where what it wrote was next read (or at the track's end): an optimizer step's "

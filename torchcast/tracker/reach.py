@@ -204,8 +204,11 @@ class StepTracker:
         the next check (a top-level module's output, backward, the next
         optimizer step, the block's end)."""
         with self.watch.lock:
-            self.raw.setdefault(origin.key, [raw, None])
-            self._mark(origin, at, raw)
+            if raw is None:  # a step too long before to be numbered
+                origin.reached, origin.reached_at = True, at
+            else:
+                self.raw.setdefault(origin.key, [raw, None])
+                self._mark(origin, at, raw)
         if self.watch.action == "raise" and self.pending_error is None:
             self.pending_error = _reached_error([origin], at)
 
@@ -389,7 +392,9 @@ class StepTracker:
         self.watch.optimizer_step(optimizer, False, now)
         states = [t for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor)]
-        self.watch.account_for(_plain_parts(params + states))
+        # A step on DTensors (FSDP2) writes their shards by ops no watch sees.
+        self.watch.account_for(t for v in params + states
+                               if is_traceable_wrapper_subclass(v) for t in _plain_parts([v]))
         try:
             # The gradients it read were finite, or the origins before it
             # are decided already: NaN/inf in what it wrote are its own ops'.
