@@ -390,15 +390,19 @@ class StepTracker:
             self.watch.optimizer_step(optimizer, True, now)
             return
         self.watch.optimizer_step(optimizer, False, now)
-        states = [t for state in optimizer.state.values() for t in state.values()
-                  if isinstance(t, torch.Tensor)]
-        # A step on DTensors (FSDP2) writes their shards by ops no watch sees.
-        self.watch.account_for(t for v in params + states
-                               if is_traceable_wrapper_subclass(v) for t in _plain_parts([v]))
+        # A step on DTensors (FSDP2) writes their shards, and their states',
+        # by ops no watch sees.
+        wrapped = [p for p in params if is_traceable_wrapper_subclass(p)]
+        if wrapped:
+            self.watch.account_for(_plain_parts(wrapped + [
+                t for p in wrapped for t in optimizer.state.get(p, {}).values()
+                if isinstance(t, torch.Tensor)]))
         try:
             # The gradients it read were finite, or the origins before it
             # are decided already: NaN/inf in what it wrote are its own ops'.
             if any(o.in_step for o in self.open.values()):
+                states = [t for state in optimizer.state.values() for t in state.values()
+                          if isinstance(t, torch.Tensor)]
                 if self._any_nonfinite(params):
                     self._reached(f"the parameters {name}.step() wrote", now,
                                   lambda o: o.in_step)
