@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -17,9 +19,14 @@ def pytest_configure(config):
         "markers", "cuda_cases: cases written for the CUDA kernels (sizes past a block, a chunk, "
         "a warp run; layouts; the GPU's autocast, compile and backward); the device fixture "
         "runs them on CUDA only")
+    config.addinivalue_line(
+        "markers", "source_tree: reads csrc/ of the checkout these tests came from")
 
 
 _DESELECTED = {}
+# csrc/ beside tests/: absent where a copy of the tests runs against an installed wheel.
+_HAS_SOURCES = os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "csrc"))
 
 
 def _deselect_reason(item):
@@ -35,6 +42,8 @@ def _deselect_reason(item):
         return "cases written for the CUDA kernels, on the CPU (it runs its own cases)"
     if item.module.__name__ == "test_cuda" and not cuda:
         return "tests/test_cuda.py: no CUDA device on this machine"
+    if item.get_closest_marker("source_tree") and not _HAS_SOURCES:
+        return "cases that read csrc/, absent beside this copy of the tests (run from the checkout)"
     return None
 
 

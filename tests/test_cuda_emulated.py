@@ -18,6 +18,8 @@ import pytest
 import emulated
 from kernel_cases import KERNELS, Device
 
+pytestmark = pytest.mark.source_tree
+
 SEED = int(os.environ.get("TORCHCAST_EMULATED_SEED", random.SystemRandom().randrange(2 ** 32)))
 CASES = [(kernel, case) for kernel, (cases, _) in KERNELS.items() for case in cases]
 
