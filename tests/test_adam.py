@@ -93,14 +93,10 @@ def run_both(ops, device="cpu", **kw):
     return a, b
 
 
-def assert_operands_match(a, b, tol_f64=False):
+def assert_operands_match(a, b):
     for name, la, lb in zip(OPERAND_NAMES, a, b):
         for x, y in zip(la, lb):
-            if tol_f64 and x.dtype == torch.float64:
-                # torch's float64 sqrt is not correctly rounded (see _reference/adam.py)
-                torch.testing.assert_close(x, y, rtol=1e-13, atol=1e-300, equal_nan=True)
-            else:
-                assert_same_bits(x, y, name)
+            assert_same_bits(x, y, name)
 
 
 # The device fixture is a string, the same for every example.
@@ -125,7 +121,7 @@ def test_kernel_matches_reference(device, combo, amsgrad, maximize, decoupled, w
         kw.update(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
     for _ in range(3):  # several steps, each from the previous state
         a, b = run_both(ops, device, **kw)
-        assert_operands_match(a, b, tol_f64=True)
+        assert_operands_match(a, b)
         ops = a
 
 
@@ -150,7 +146,7 @@ def test_kernel_matches_reference_several_tensors(device, combo, amsgrad, maximi
     ops = [sum((p[i] for p in parts), []) for i in range(7)]
     for _ in range(2):
         a, b = run_both(ops, device, **adam_kw(mode, amsgrad, maximize, decoupled, wd, lr, beta1))
-        assert_operands_match(a, b, tol_f64=True)
+        assert_operands_match(a, b)
         ops = a
 
 
@@ -167,7 +163,7 @@ def test_kernel_matches_reference_many_chunks(device, combo):
               maximize=False, decoupled_weight_decay=True, compensation=mode)
     for _ in range(2):
         a, b = run_both(ops, device, **kw)
-        assert_operands_match(a, b, tol_f64=True)
+        assert_operands_match(a, b)
         ops = a
     assert all(float(s) > 1 for s in ops[6])
 
@@ -187,7 +183,7 @@ def test_kernel_matches_reference_every_option(device, combo, amsgrad, maximize,
     ops = [sum((p[i] for p in parts), []) for i in range(7)]
     for _ in range(3):
         a, b = run_both(ops, device, **adam_kw(mode, amsgrad, maximize, decoupled, wd))
-        assert_operands_match(a, b, tol_f64=True)
+        assert_operands_match(a, b)
         ops = a
 
 
@@ -200,7 +196,7 @@ def test_kernel_matches_reference_layouts(device, combo, layout):
     ops = make_operands(pdtype, sdtype, mode, True, (33, 17), gen, layout)
     for _ in range(3):
         a, b = run_both(ops, device, **adam_kw(mode, True, wd=0.01, decoupled=True))
-        assert_operands_match(a, b, tol_f64=True)
+        assert_operands_match(a, b)
         ops = a
 
 
@@ -217,7 +213,7 @@ def test_kernel_tensor_lr_and_grad_scale_match_reference(device, combo, lr_dtype
     kw.update(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
     for _ in range(3):
         a, b = run_both(ops, device, **kw)
-        assert_operands_match(a, b, tol_f64=True)
+        assert_operands_match(a, b)
         ops = a
 
 

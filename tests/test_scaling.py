@@ -12,6 +12,7 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
 import torchcast
+from torchcast import _ops
 from torchcast.headroom import headroom, power_of_two_scale
 from torchcast.scaling import scale_for_amax
 
@@ -162,14 +163,20 @@ def test_the_cpus_amax_scale_is_one_tensor_made(src):
     x = (torch.randn(4096, dtype=torch.float64) * 3).to(src)
     with OpsSeen() as mode:
         s = torchcast.scaling.amax_scale(x, torch.float8_e4m3fn)
-    assert [str(op) for op in mode.seen] == ["aten.lift_fresh.default"]
+    seen = [str(op) for op in mode.seen]
+    if _ops.WITH_EXTENSION:
+        assert seen == ["aten.lift_fresh.default"]
+    else:  # the amax read by torch ops (_python_ops.py), then the one tensor
+        assert seen[-1] == "aten.lift_fresh.default" and seen.count(seen[-1]) == 1, seen
     amax = x.abs().amax().double()
     assert torch.equal(s, scale_for_amax(amax, torch.float8_e4m3fn,
                                          scale_dtype=torchcast.scaling.scale_dtype_for(src)))
     x[7] = math.nan
     with OpsSeen() as mode:
         s = torchcast.scaling.amax_scale(x, torch.float8_e4m3fn, power_of_two=True)
-    assert len(mode.seen) <= 4
+    assert str(mode.seen[-1]) == "aten.lift_fresh.default"
+    if _ops.WITH_EXTENSION:
+        assert len(mode.seen) <= 4
     assert torch.equal(s, scale_for_amax(amax, torch.float8_e4m3fn, power_of_two=True,
                                          scale_dtype=torchcast.scaling.scale_dtype_for(src)))
 

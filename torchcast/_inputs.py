@@ -23,6 +23,19 @@ def dense_strided(t: torch.Tensor) -> bool:
     return t.layout is _STRIDED and not t.is_nested
 
 
+def plain_dense(x: torch.Tensor) -> bool:
+    """Whether the kernels may read x's data as it is: a torch.Tensor or
+    nn.Parameter (exactly), dense and strided, neither quantized nor nested,
+    outside every torch.func transform and functionalization. One call into
+    C++ where compiled (csrc/ops.cpp's plain_tensor), the same questions in
+    Python in the build without it."""
+    if _plain_tensor is not None:
+        return _plain_tensor(x)
+    return (type(x) in PLAIN_TENSOR_TYPES and dense_strided(x) and not x.is_quantized
+            and not _functorch.is_functorch_wrapped_tensor(x)
+            and not torch._is_functional_tensor(x))
+
+
 _LAYOUT_ADVICE = {
     torch.sparse_coo: "call .to_dense() first",
     torch.sparse_csr: "call .to_dense() first",

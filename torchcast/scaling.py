@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import _ops
+from ._inputs import plain_dense
 from .stats import STAT_FIELDS
 
 _AMAX = STAT_FIELDS.index("amax")
@@ -157,8 +158,7 @@ def amax_scale(x: torch.Tensor, dtype: torch.dtype, *, power_of_two: bool = Fals
         raise TypeError(f"torchcast.amax_scale: dtype must be a floating torch.dtype, got {dtype!r}")
     t = _SCALE_TYPES[scale_dtype_for(x.dtype)]
     top = float(torch.finfo(dtype).max)
-    if x.is_cpu and not torch.compiler.is_compiling() and (
-            _ops.plain_tensor is None or _ops.plain_tensor(x)):
+    if x.is_cpu and not torch.compiler.is_compiling() and plain_dense(x):
         # On the CPU the amax is on the host already: the rule in Python
         # floats, one tensor made, instead of a dozen 0-d tensor ops (a
         # wrapper subclass, whose data its own dispatch reads, takes those).

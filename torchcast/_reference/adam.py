@@ -3,15 +3,15 @@
 The same float operations in the same order, each one a correctly rounded
 torch elementwise op (no lerp, addcmul or addcdiv: ATen may fuse those into
 FMAs), so this gives the kernel's bits on devices without a compiled kernel
-and serves the tests as the kernel's independent statement. One exception:
-torch's float64 sqrt is not correctly rounded on CPUs (SLEEF on AVX-512), so
-float64 params can differ from the kernel in the last bit of a step. Takes the
-op's arguments and checks them as csrc/adam_common.cpp does, before writing
-anything (as the op, in the build without the compiled extension).
+and serves the tests as the kernel's independent statement (torch's own CPU
+sqrt, not correctly rounded, is replaced by one that is, as the kernel's).
+Takes the op's arguments and checks them as csrc/adam_common.cpp does, before
+writing anything (as the op, in the build without the compiled extension).
 """
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from ..adam_modes import COMPENSATIONS, compensation_names, refusal
@@ -133,11 +133,14 @@ def float16_stochastic(x, r):
 
 
 def _sqrt(x):
-    # torch's float32 sqrt is not correctly rounded on AVX-512 CPUs; through
-    # float64 it is (53 >= 2 * 24 + 2 bits: the double rounding is innocuous,
-    # even from a float64 sqrt one ulp off). MPS has no float64.
+    # torch's CPU sqrt is not correctly rounded (SLEEF on AVX-512), the
+    # kernel's is. float32 through float64 is (53 >= 2 * 24 + 2 bits: the
+    # double rounding is innocuous, even from a float64 sqrt one ulp off);
+    # float64 on the CPU through numpy (the hardware's sqrt). MPS has no float64.
     if x.dtype == torch.float32 and x.device.type != "mps":
         return x.double().sqrt().float()
+    if x.dtype == torch.float64 and x.device.type == "cpu":
+        return torch.from_numpy(np.asarray(np.sqrt(x.numpy(force=True))))
     return x.sqrt()
 
 
