@@ -8,8 +8,9 @@ each configuration in a fresh process with one thread:
     x {plain, track(), all_casts, nonfinite="record", nonfinite="raise",
        health, all together}
 
-Every tracked run exits 0, prints no C++ stack trace, and gives the plain
-run's losses and weights bit for bit.
+Every tracked run exits 0, prints no C++ stack trace, gives the plain
+run's losses and weights bit for bit, and compiles the plain run's graphs
+with its graph breaks (none added).
 
 ``pytest -q`` runs a slice (every feature on every backend with bf16
 autocast training; eager also in float32 and with bf16 weights under
@@ -65,6 +66,8 @@ def test_a_tracked_run_is_the_plain_run(backend, dtype, mode, feature):
     tracked, _ = run(backend, dtype, mode, feature)
     assert tracked["losses"] == plain["losses"]
     assert tracked["weights"] == plain["weights"]
+    # The tracker adds no graph and no graph break to a compiled model.
+    assert (tracked["graphs"], tracked["graph_breaks"]) == (plain["graphs"], plain["graph_breaks"])
     if feature in ("record", "raise", "all") and backend == "eager":
         # The mask's -inf, made by log(0) each step, is seen and absorbed.
         assert tracked["origins"] == 1 and tracked["absorbed"] == 1

@@ -2,7 +2,8 @@
 run in a fresh process: a small transformer block with an intentional -inf
 causal mask, trained (or run under no_grad) for a few steps, plain or under
 one of track()'s configurations. Prints one JSON line: the losses as exact
-float hex, a digest of every parameter and optimizer state's bits, and, for
+float hex, a digest of every parameter and optimizer state's bits, the
+graphs Dynamo compiled and the reasons of its graph breaks, and, for
 tracked runs, what the report says in a few numbers.
 
     python tests/transparency_run.py BACKEND DTYPE MODE FEATURE
@@ -112,8 +113,11 @@ def run(backend: str, dtype: str, mode: str, feature: str) -> dict:
                    "text": len(str(report))}
         report.to_dict()  # every writer's input builds
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    compiled = torch._dynamo.utils.counters
     return {"losses": [float(v).hex() for v in losses],
-            "weights": digest(list(model.parameters()) + state), **summary}
+            "weights": digest(list(model.parameters()) + state),
+            "graphs": compiled["stats"]["unique_graphs"],
+            "graph_breaks": sorted(compiled["graph_break"]), **summary}
 
 
 if __name__ == "__main__":
