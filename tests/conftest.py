@@ -21,9 +21,18 @@ def pytest_configure(config):
         "runs them on CUDA only")
     config.addinivalue_line(
         "markers", "source_tree: reads csrc/ of the checkout these tests came from")
+    config.addinivalue_line(
+        "markers", "slow: a case of a slow family (sweeps, fuzzing, fresh processes, ranks); "
+        "`pytest -q` deselects it and runs the family's fixed slice, TORCHCAST_TESTS=slow "
+        "runs only these (.ci/run's slow stage), TORCHCAST_TESTS=all runs everything")
 
 
 _DESELECTED = {}
+# Which cases run: "fast" (the default, `pytest -q`), "slow" (only the cases
+# marked slow: .ci/run's slow stage) or "all".
+SELECTION = os.environ.get("TORCHCAST_TESTS", "fast")
+if SELECTION not in ("fast", "slow", "all"):
+    raise ValueError(f"TORCHCAST_TESTS={SELECTION!r}: expected 'fast', 'slow' or 'all'")
 # csrc/ beside tests/: absent where a copy of the tests runs against an installed wheel.
 _HAS_SOURCES = os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "csrc"))
@@ -44,6 +53,11 @@ def _deselect_reason(item):
         return "tests/test_cuda.py: no CUDA device on this machine"
     if item.get_closest_marker("source_tree") and not _HAS_SOURCES:
         return "cases that read csrc/, absent beside this copy of the tests (run from the checkout)"
+    slow = item.get_closest_marker("slow") is not None
+    if slow and SELECTION == "fast":
+        return "slow cases (their fixed slice ran): TORCHCAST_TESTS=slow runs them (.ci/run)"
+    if not slow and SELECTION == "slow":
+        return "fast cases: TORCHCAST_TESTS=slow runs only the slow ones"
     return None
 
 
