@@ -3,7 +3,7 @@ pyproject.toml).
 
 - default: a CppExtension; a CUDAExtension when CUDA is available or
   TORCHCAST_CUDA=1 (then TORCH_CUDA_ARCH_LIST is honoured, default sm_80 and
-  sm_90 plus PTX).
+  sm_90 plus PTX, and TORCHCAST_NVCC_FLAGS adds flags to nvcc's).
 - TORCHCAST_NO_EXTENSION=1: nothing is compiled; every op runs its
   pure-PyTorch implementation (bit-identical, slower).
 
@@ -48,6 +48,9 @@ def extension(torch):
             # as on the CPU (the stats must match it bit for bit).
             "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
             "-Xcompiler=-ffp-contract=off"]
+    # Flags that change no instruction, for .ci/cuda_facts.py to read the
+    # build's own PTX, SASS and ptxas report (.ci/cuda_stage.sh sets them).
+    nvcc += os.environ.get("TORCHCAST_NVCC_FLAGS", "").split()
     return CUDAExtension(
         "torchcast._C", cpu_sources + sorted(glob.glob("csrc/cuda/*.cu")),
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},

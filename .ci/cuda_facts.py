@@ -19,11 +19,17 @@ lines in the SASS; it does not change the code) and --keep, and per kernel:
     and the CPU kernels call the same fma);
   - no floating-point atomics (RED/ATOM on F16, BF16, F32, F64): every
     kernel's results promise to be deterministic.
+With --from-build LOG, the files the build compiled are not compiled again:
+the build ran with TORCHCAST_NVCC_FLAGS="--resource-usage -lineinfo --keep
+--keep-dir OUT_DIR/build" (.ci/cuda_stage.sh), LOG is its output, and each
+file's ptxas report is the block after its nvcc command there (ninja prints
+a command's output under it); a file ninja found up to date is compiled
+again as above.
 --control also compiles adam.cu with --fmad=true and requires the PTX check
 to find contractible lines there and the SASS check fused multiply-adds in
 most of its kernels: the check can fail.
 
-    python .ci/cuda_facts.py BUILD_TEMP_DIR OUT_DIR [--control] [--jobs N]
+    python .ci/cuda_facts.py BUILD_TEMP_DIR OUT_DIR [--from-build LOG] [--control] [--jobs N]
 
 Prints a table per kernel template (markdown) and exits 1 if a check fails.
 Needs ninja (the build's), nvdisasm (the toolkit's, else Triton's copy in the
@@ -94,6 +100,20 @@ def compile_kept(stem, command, obj, out, extra=""):
         sys.exit(f"cuda facts: compiling {stem}.cu failed:\n{proc.stdout}{proc.stderr}")
     (keep / "ptxas.txt").write_text(proc.stdout + proc.stderr)
     return proc.stdout + proc.stderr, keep
+
+
+def built(stem, log, kept):
+    """(ptxas report, keep directory) of stem.cu from the build's output, or
+    None where the build did not compile it."""
+    blocks = re.split(r"^\[\d+/\d+\] ", log, flags=re.M)
+    for block in blocks:
+        first, _, rest = block.partition("\n")
+        if "nvcc" in first and re.search(rf" -c \S+/csrc/cuda/{stem}\.cu ", first + " "):
+            if not (kept / f"{stem}.ptx").exists():
+                sys.exit(f"cuda facts: the build compiled {stem}.cu but kept no {stem}.ptx in "
+                         f"{kept}: was TORCHCAST_NVCC_FLAGS set?")
+            return rest, kept
+    return None
 
 
 def resource_usage(text):
@@ -304,11 +324,23 @@ def main():
     parser.add_argument("out", type=Path, help="where the kept PTX and cubins go")
     parser.add_argument("--control", action="store_true",
                         help="also check that a --fmad=true compile of adam.cu fails the check")
+    parser.add_argument("--from-build", type=Path, metavar="LOG",
+                        help="the build's output; it kept its PTX and cubins in OUT/build")
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     commands = nvcc_commands(args.build)
+    log = args.from_build.read_text() if args.from_build else ""
+
+    def facts_of(command):
+        stem = command[0]
+        from_build = built(stem, log, args.out / "build") if log else None
+        if from_build is not None:
+            print(f"cuda facts: {stem}.cu: the build's own PTX, cubin and ptxas report")
+            return from_build
+        return compile_kept(*command, args.out)
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        compiled = list(pool.map(lambda c: compile_kept(*c, args.out), commands))
+        compiled = list(pool.map(facts_of, commands))
         if args.control:
             stem, command, obj = next(c for c in commands if c[0] == "adam")
             control = pool.submit(compile_kept, "adam",

@@ -18,7 +18,13 @@
 #   PYTHON                  interpreter for the virtualenv (default python3)
 # The virtualenv (.venv-cuda) and the build (build/cuda-stage) persist across
 # runs and are reused; both are gitignored.
+#
+#   bash .ci/cuda_stage.sh            the whole stage
+#   bash .ci/cuda_stage.sh --prepare  only the virtualenv (.ci/run starts this
+#                                     in the background, early)
 set -euo pipefail
+PREPARE=0
+if [ "${1:-}" = "--prepare" ]; then PREPARE=1; fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 TORCH_CUDA_PIN=2.14.1
@@ -59,11 +65,18 @@ fi
 # since it was made (a no-op when nothing is missing).
 grep -v '^torch\b' requirements.txt > "$VENV/requirements-cuda.txt"
 echo "torch==$TORCH_CUDA_PIN" >> "$VENV/requirements-cuda.txt"
-if ! "$VENV/bin/python" -m pip install -q --no-cache-dir -r "$VENV/requirements-cuda.txt" > "$VENV/pip.log" 2>&1; then
+# --no-compile: byte-compiling the CUDA torch's files costs minutes of CPU;
+# Python compiles what it imports.
+if ! "$VENV/bin/python" -m pip install -q --no-cache-dir --no-compile \
+    -r "$VENV/requirements-cuda.txt" > "$VENV/pip.log" 2>&1; then
   cat "$VENV/pip.log"
   exit 1
 fi
 "$VENV/bin/python" -c "import torch; print('   torch', torch.__version__, 'CUDA', torch.version.cuda)"
+if [ "$PREPARE" = 1 ]; then
+  step "prepared"
+  exit 0
+fi
 
 # The CUDA torch keeps cuBLAS/cuSPARSE headers (included by ATen's CUDA
 # headers) in its nvidia wheel, not in the toolkit.
@@ -81,13 +94,20 @@ for d in csrc torchcast tests benchmarks; do rm -rf "${STAGE:?}/$d"; done
 git ls-files -z --cached --others --exclude-standard \
   | tar --null --ignore-failed-read -cf - -T - 2>/dev/null | tar -xpf - -C "$STAGE"
 
+# The build keeps its PTX and cubins and prints ptxas' report (flags that
+# change no instruction), so that .ci/cuda_facts.py reads the build's own
+# output instead of compiling every kernel a second time.
+FACTS=$STAGE/build/cuda-facts
+mkdir -p "$FACTS/build"
 step "building with TORCHCAST_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCHCAST_CI_CUDA_ARCH:-9.0}"
 (cd "$STAGE" && TORCHCAST_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCHCAST_CI_CUDA_ARCH:-9.0}" \
-   MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.py -q build_ext --inplace)
+   TORCHCAST_NVCC_FLAGS="--resource-usage -lineinfo --keep --keep-dir $FACTS/build" \
+   MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.py -q build_ext --inplace) \
+  > "$FACTS/build.log" 2>&1 || { tail -n 200 "$FACTS/build.log"; exit 1; }
 
 step "what the compiler says about the kernels (.ci/cuda_facts.py)"
 temp=$(ls -d "$STAGE"/build/temp.*/ | head -n1)
-"$VENV/bin/python" .ci/cuda_facts.py "$temp" "$STAGE/build/cuda-facts" --control \
+"$VENV/bin/python" .ci/cuda_facts.py "$temp" "$FACTS" --from-build "$FACTS/build.log" --control \
   --jobs "${MAX_JOBS:-2}"
 
 step "importing the CUDA build on this machine"
@@ -107,6 +127,10 @@ print("   torchcast CUDA build imported:", torchcast._C.__file__,
 EOF
 )
 
-step "test suite against the CUDA build"
-(cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests)
+# The fast cases (the slow ones ran against the CPU build in .ci/run's slow
+# stage), without the emulated grid: it runs the same csrc/cuda sources as in
+# the CPU build's stages, and is built once per CI run, there.
+step "test suite against the CUDA build (fast cases; the emulated grid ran in the CPU build's stages)"
+(cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests \
+   --ignore=tests/test_cuda_emulated.py)
 step "done"

@@ -1,4 +1,5 @@
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ def pytest_configure(config):
         "markers", "slow: a case of a slow family (sweeps, fuzzing, fresh processes, ranks); "
         "`pytest -q` deselects it and runs the family's fixed slice, TORCHCAST_TESTS=slow "
         "runs only these (.ci/run's slow stage), TORCHCAST_TESTS=all runs everything")
+    config.addinivalue_line(
+        "markers", "sweep: a property or sweep run in every selection, with a small budget in "
+        "`pytest -q` and its whole budget under TORCHCAST_TESTS=slow or all")
 
 
 _DESELECTED = {}
@@ -53,12 +57,21 @@ def _deselect_reason(item):
         return "tests/test_cuda.py: no CUDA device on this machine"
     if item.get_closest_marker("source_tree") and not _HAS_SOURCES:
         return "cases that read csrc/, absent beside this copy of the tests (run from the checkout)"
+    if item.get_closest_marker("sweep") is not None:
+        return None
     slow = item.get_closest_marker("slow") is not None
     if slow and SELECTION == "fast":
         return "slow cases (their fixed slice ran): TORCHCAST_TESTS=slow runs them (.ci/run)"
     if not slow and SELECTION == "slow":
         return "fast cases: TORCHCAST_TESTS=slow runs only the slow ones"
     return None
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one worker per core, at most 4. Each worker
+    imports torch and builds nothing of its own (the emulated kernels are
+    built once, under a file lock), so more would only add memory."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,8 +88,29 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+_FROM_WORKERS = {}  # under xdist: what the workers deselected (each collects the whole suite)
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the counts to the controller
+        workeroutput["torchcast_deselected"] = dict(_DESELECTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    counts = getattr(node, "workeroutput", {}).get("torchcast_deselected")
+    if counts and not _FROM_WORKERS:
+        _FROM_WORKERS.update(counts)
+
+
 def pytest_terminal_summary(terminalreporter):
-    for reason, n in sorted(_DESELECTED.items()):
+    if _FROM_WORKERS and not _DESELECTED:
+        # The controller collected nothing itself: count the workers'
+        # deselections on its closing line, as a serial run does.
+        terminalreporter.stats.setdefault("deselected", []).extend(
+            SimpleNamespace() for _ in range(sum(_FROM_WORKERS.values())))
+    for reason, n in sorted((_DESELECTED or _FROM_WORKERS).items()):
         terminalreporter.write_line(f"torchcast: {n} deselected: {reason}")
 
 

@@ -150,6 +150,7 @@ def test_integer_cast_keeps_graph_cut_violation_and_is_tracked():
     assert ids.violations() == ["1 overflow"] and mask.violations() == ["1 nan"]
 
 
+@pytest.mark.slow
 def test_integer_cast_empty_and_compiled():
     torchcast.safe_to(torch.empty(0), torch.int8, policy="record")
     assert torchcast.last_stats() == CastStats(torch.float32, torch.int8)

@@ -326,6 +326,7 @@ def test_sums_hold_any_square(device, src, dst):
         assert math.isfinite(s.sqnr_db)
 
 
+@pytest.mark.slow
 def test_sum_within_1e6_of_fsum_at_2_24():
     x = wide_random(1 << 24, torch.float32, 11) * 1e-20
     _, s = op_stats(x, torch.float16)
@@ -336,6 +337,8 @@ def test_sum_within_1e6_of_fsum_at_2_24():
 @pytest.mark.skipif(not _ops.WITH_EXTENSION, reason=(
     "checks the compiled kernel's 64-bit indexing; the pure-PyTorch build materializes float64 "
     "intermediates of the expanded input (over 16 GB at 2^31 elements)"))
+@pytest.mark.slow
+@pytest.mark.xdist_group("over-2-31-elements")
 @pytest.mark.parametrize("src,dst", [(torch.float32, torch.bfloat16),
                                      (torch.float16, torch.float8_e4m3fn)])
 def test_more_than_2_31_elements(src, dst):

@@ -81,6 +81,7 @@ def test_health_prints_the_headroom_table(script, tmp_path):
     assert row.count("100%/0, 2^-") == 3 and " 0/0 " in row  # bfloat16 holds them
 
 
+@pytest.mark.slow
 def test_top_refuses_a_negative_count(script, tmp_path):
     marker = tmp_path / "ran"
     done = run("track", "--top", "-1", script, marker)
@@ -94,7 +95,7 @@ def test_top_refuses_a_negative_count(script, tmp_path):
     assert "more sites" in done.stderr and "train.py:10" not in rows
 
 
-@pytest.mark.parametrize("option", ["--json", "--html"])
+@pytest.mark.parametrize("option", ["--json", pytest.param("--html", marks=pytest.mark.slow)])
 def test_unwritable_output_refused_before_the_script_runs(option, script, tmp_path):
     marker = tmp_path / "ran"
     missing = tmp_path / "no" / "such" / "dir" / "report.out"

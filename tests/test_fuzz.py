@@ -4,9 +4,9 @@ against an independent oracle: numpy float64 (tests/numpy_ref.py), ml_dtypes,
 Fraction arithmetic and math.fsum, never torchcast's own _reference package.
 
 Every test has a fixed seed (derandomize) and the same bounded example count,
-read from one place: the environment variable TORCHCAST_FUZZ_EXAMPLES
-(default below, sized for CI: the whole file well under a minute on 2 cores).
-A release run goes longer:
+read from one place: the environment variable TORCHCAST_FUZZ_EXAMPLES, else
+100 in `pytest -q` and 400 in .ci/run's slow stage (TORCHCAST_TESTS=slow or
+all: the file is a sweep, run in both). A release run goes longer:
 
     TORCHCAST_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py
 
@@ -21,6 +21,7 @@ from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -35,7 +36,9 @@ from numpy_ref import (FORMATS, LARGEST, default_saturate, edge_values, min_norm
 
 # --- settings: one example count, a fixed seed ------------------------------------
 
-EXAMPLES = int(os.environ.get("TORCHCAST_FUZZ_EXAMPLES", "400"))
+pytestmark = pytest.mark.sweep
+EXAMPLES = int(os.environ.get("TORCHCAST_FUZZ_EXAMPLES") or (
+    100 if os.environ.get("TORCHCAST_TESTS", "fast") == "fast" else 400))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
                 print_blob=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -174,12 +174,14 @@ def check_merged(out_dir, collective):
     assert labels == {"[rank 0]", "[rank 1]"}
 
 
+@pytest.mark.slow
 def test_ddp_merged_report_names_rank_step_and_op(tmp_path):
     results = run_ranks("ddp", "record", tmp_path)
     assert [code for code, _ in results] == [0, 0], results
     check_merged(tmp_path, "all_reduce")
 
 
+@pytest.mark.slow
 def test_a_literal_inf_on_one_rank_is_named_as_entering_there(tmp_path):
     results = run_ranks("ddp_literal", "record", tmp_path)
     assert [code for code, _ in results] == [0, 0], results
@@ -226,6 +228,7 @@ def test_every_section_of_two_ranks_survives_the_merge_with_its_rank(tmp_path):
     assert json.loads((tmp_path / "all_reduce0.json").read_text()) == data
 
 
+@pytest.mark.slow
 def test_fsdp2_merged_report_names_rank_step_and_op(tmp_path):
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -237,6 +240,7 @@ def test_fsdp2_merged_report_names_rank_step_and_op(tmp_path):
     check_merged(tmp_path, "reduce_scatter")
 
 
+@pytest.mark.slow
 def test_raise_stops_both_ranks_without_a_hang(tmp_path):
     results = run_ranks("ddp", "raise", tmp_path)
     (code0, err0), (code1, err1) = results
@@ -265,6 +269,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun_writes_a_report_per_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

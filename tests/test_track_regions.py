@@ -114,6 +114,7 @@ def test_a_track_without_watches_lists_nothing(overflowing):
     assert report.compiled_regions == []
 
 
+@pytest.mark.slow
 def test_the_cli_measures_casts_inside_a_block_the_script_compiles(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""\

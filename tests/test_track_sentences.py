@@ -84,7 +84,7 @@ def _regions_of(backend, tmp_path, *flags):
     return run
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_compiled_module_is_one_region_named_once_and_quietly(backend, tmp_path):
     run = _regions_of(backend, tmp_path, "--nonfinite", "record", "--health")
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]

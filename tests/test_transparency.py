@@ -12,10 +12,10 @@ Every tracked run exits 0, prints no C++ stack trace, gives the plain
 run's losses and weights bit for bit, and compiles the plain run's graphs
 with its graph breaks (none added).
 
-``pytest -q`` runs a slice (every feature on every backend with bf16
-autocast training; eager also in float32 and with bf16 weights under
-no_grad); ``TORCHCAST_TRANSPARENCY=full`` runs the whole matrix (.ci/run's
-transparency stage).
+``pytest -q`` runs a slice (SLICE: every feature under inductor with bf16
+autocast training, everything on at once in the other backends and dtypes);
+the rest of the matrix is marked slow (``TORCHCAST_TESTS=slow``, .ci/run's
+slow stage).
 """
 import functools
 import itertools
@@ -30,19 +30,27 @@ from transparency_run import BACKENDS, DTYPES, FEATURES, MODES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNER = os.path.join(HERE, "transparency_run.py")
-FULL = os.environ.get("TORCHCAST_TRANSPARENCY") == "full"
 TRACKED = [f for f in FEATURES if f != "plain"]
 
 
-SLICE = {("eager", "autocast", "train"), ("eager", "float32", "train"),
-         ("eager", "bf16", "no_grad"), ("aot_eager", "autocast", "train"),
-         ("inductor", "autocast", "train")}
+# pytest -q's slice: every feature where a tracker is likeliest to change a
+# run (inductor, bf16 autocast, training), and everything on at once in the
+# other backends and dtypes of the old slice.
+SLICE = {("inductor", "autocast", "train"): TRACKED,
+         ("aot_eager", "autocast", "train"): ["all"],
+         ("eager", "autocast", "train"): ["all"],
+         ("eager", "float32", "train"): ["all"],
+         ("eager", "bf16", "no_grad"): ["all"]}
 
 
-def _configs():
+def _cases():
     for config in itertools.product(BACKENDS, DTYPES, MODES):
-        if FULL or config in SLICE:
-            yield config
+        for feature in TRACKED:
+            # One xdist worker runs a configuration's features: they share its plain run.
+            marks = [pytest.mark.xdist_group("transparency-" + "-".join(config))]
+            if feature not in SLICE.get(config, ()):
+                marks.append(pytest.mark.slow)
+            yield pytest.param(*config, feature, marks=marks)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +67,7 @@ def run(backend, dtype, mode, feature):
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-@pytest.mark.parametrize("feature", TRACKED)
-@pytest.mark.parametrize("backend,dtype,mode", list(_configs()))
+@pytest.mark.parametrize("backend,dtype,mode,feature", list(_cases()))
 def test_a_tracked_run_is_the_plain_run(backend, dtype, mode, feature):
     plain, _ = run(backend, dtype, mode, "plain")
     tracked, _ = run(backend, dtype, mode, feature)
