@@ -28,10 +28,9 @@
 //    32-bit draw (a stream apart from the weight's): with 8, a moment whose
 //    step adds less than 1/512 of a code step (an EMA's (1 - beta) * g in
 //    a block with an outlier) would never round up;
-//  - the code is found without a square root: a candidate from an
-//    approximate one (candidate_of), corrected by exact comparisons with
-//    the levels, so that the bits are the same whatever approximation a
-//    platform uses;
+//  - the levels are q^2 (an exact integer) times 1 / levels^2, and the code
+//    below the value is floor(sqrt(x) * levels) with IEEE float32 sqrt, on
+//    every platform the same bits;
 //  - a moment that is not finite keeps its value: +-inf as 127 / -127
 //    (exp_avg) or 254 (exp_avg_sq), NaN as -128 or 255, that element only
 //    (an infinite exp_avg_sq reads back as infinite, and its update is
@@ -54,9 +53,9 @@ struct Moments8 {
   static constexpr int8_t kMInfinite = 127;    // +inf; -127 is -inf
   static constexpr uint8_t kRootInfinite = 254;
   static constexpr uint8_t kRootNotFinite = 255;  // NaN
-  static constexpr float kMStep = 1.0f / 126.0f;  // rounded once; 126 * kMStep == 1 exactly
-  static constexpr float kRootStep = 1.0f / 253.0f;
-  static constexpr float kRootFloor = 0.5f * kRootStep;  // code 0's t: half a step (exact)
+  // 1 / levels^2, rounded once: a level is q^2 (an exact integer) times it.
+  static constexpr float kMStep2 = 1.0f / (126.0f * 126.0f);
+  static constexpr float kRootStep2 = 1.0f / (253.0f * 253.0f);
   static constexpr float kSmallestScale = 0x1p-126f;
 
   // The moment format's storage, for dispatch and operand pointers.
@@ -67,14 +66,15 @@ struct Moments8 {
 
   // The levels, in units of the block's scale: exp_avg's code a >= 0 reads
   // as m_level(a) * s, sqrt(exp_avg_sq)'s code q as root_level(q) * s.
-  TC_HD static float m_level(int a) {
-    const float t = static_cast<float>(a) * kMStep;
-    return t * t;
+  // q^2 in float32 (exact: q <= 253), and the level's q^2 of sqrt(exp_avg_sq),
+  // whose code 0 is half a step: (1/2)^2 in place of 0.
+  TC_HD static float squared(int q) {
+    const float f = static_cast<float>(q);
+    return f * f;
   }
-  TC_HD static float root_level(int q) {
-    const float t = q == 0 ? kRootFloor : static_cast<float>(q) * kRootStep;
-    return t * t;
-  }
+  TC_HD static float root_squared(int q) { return q == 0 ? 0.25f : squared(q); }
+  TC_HD static float m_level(int a) { return squared(a) * kMStep2; }
+  TC_HD static float root_level(int q) { return root_squared(q) * kRootStep2; }
 
   // exp_avg of code q in a block of scale s.
   TC_HD static float m_of(int8_t q, float s) {
@@ -118,43 +118,32 @@ struct Moments8 {
     return static_cast<float>(2u * r16 + 1u) * 0x1p-17f;
   }
 
-  // A candidate for floor(sqrt(x) * levels), x in [0, 1], within one of it:
-  // sqrt(x) as x / sqrt(x) from the classic reciprocal square root guess
-  // and one Newton step (relative error below 0.2%, so the candidate is off
-  // by less than 0.6 at 253 levels), in float32 operations only, so that it
-  // vectorizes everywhere. code_of corrects it exactly.
-  TC_HD static int candidate_of(float x, int levels) {
-    const float y0 = bit_cast<float>(0x5f3759dfu - (bit_cast<uint32_t>(x) >> 1));
-    const float y = y0 * (1.5f - (0.5f * x) * (y0 * y0));
-    const int c = static_cast<int>((x * y) * static_cast<float>(levels));
-    return c < levels - 1 ? c : levels - 1;
-  }
-
-  // level(q) of exp_avg's codes (kRoot false) or sqrt(exp_avg_sq)'s.
-  template <bool kRoot>
-  TC_HD static float level(int q) {
-    return kRoot ? root_level(q) : m_level(q);
-  }
-
-  // The code (in [0, levels]) of x = |moment| / scale, r a fraction in
-  // (0, 1): q the largest code whose level is at most x (clamped to
-  // [0, levels - 1]; the candidate corrected by two exact comparisons),
-  // then q + 1 where r * (level(q + 1) - level(q)) < x - level(q), in the
-  // value domain (for sqrt(exp_avg_sq), of the squares: exp_avg_sq's), so
-  // that the expected level is x (above level(0)).
+  // The code (in [0, levels]) of x = |moment| / scale in [0, 1], r a
+  // fraction in (0, 1): q = floor(sqrt(x) * levels) (clamped to
+  // levels - 1), the code whose level is at most x, then q + 1 where x is
+  // above lo + r * (hi - lo) (lo, hi: the levels of q and q + 1; for
+  // sqrt(exp_avg_sq) their squares against x^2, exp_avg_sq's domain), so
+  // that the expected level is x (above level(0)): with probability
+  // (x - lo) / (hi - lo). The threshold is computed in units of the levels'
+  // q^2 (exact integers) and scaled once. Where sqrt's rounding puts x
+  // within an ulp or two of a level on the wrong side of it, the
+  // probability is clamped to 0 or 1: a bias of that ulp or two.
   template <bool kRoot>
   TC_HD static int code_of(float x, float r) {
     constexpr int levels = kRoot ? kRootLevels : kMLevels;
-    const int c = candidate_of(x, levels);
-    int q = c - (level<kRoot>(c) > x ? 1 : 0) + (level<kRoot>(c + 1) <= x ? 1 : 0);
-    q = q < 0 ? 0 : (q < levels - 1 ? q : levels - 1);
-    float lo = level<kRoot>(q), hi = level<kRoot>(q + 1), w = x;
+    const int c = static_cast<int>(sqrtf(x) * static_cast<float>(levels));
+    const int q = c < levels - 1 ? c : levels - 1;
+    float threshold;
     if constexpr (kRoot) {
-      lo = lo * lo;
-      hi = hi * hi;
-      w = x * x;
+      const float lo = root_squared(q), hi = squared(q + 1);
+      const float lo2 = lo * lo;
+      threshold = (lo2 + r * (hi * hi - lo2)) * (kRootStep2 * kRootStep2);
+      x = x * x;
+    } else {
+      const float lo = squared(q), qf = static_cast<float>(q);
+      threshold = (lo + r * (qf + qf + 1.0f)) * kMStep2;
     }
-    return q + (r * (hi - lo) < w - lo ? 1 : 0);
+    return q + (threshold < x ? 1 : 0);
   }
 
   // a * inv (inv the block's inverse scale) clamped to [0, 1]; a non-finite

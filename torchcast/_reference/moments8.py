@@ -9,11 +9,10 @@ BLOCK = 256
 M_LEVELS, ROOT_LEVELS = 126, 253
 M_NOT_FINITE, ROOT_NOT_FINITE = -128, 255  # NaN
 M_INFINITE, ROOT_INFINITE = 127, 254  # +inf (-127: -inf)
-# 1 / levels rounded once to float32, as the C++ constants; code 0 of
-# sqrt(exp_avg_sq) reads as half a step.
-M_STEP = (torch.tensor(1.0) / M_LEVELS).item()
-ROOT_STEP = (torch.tensor(1.0) / ROOT_LEVELS).item()
-ROOT_FLOOR = 0.5 * ROOT_STEP
+# 1 / levels^2 rounded once to float32, as the C++ constants: a level is
+# q^2 times it; code 0 of sqrt(exp_avg_sq) is half a step, (1/2)^2 in place of q^2.
+M_STEP2 = torch.tensor(1.0 / M_LEVELS ** 2, dtype=torch.float32).item()
+ROOT_STEP2 = torch.tensor(1.0 / ROOT_LEVELS ** 2, dtype=torch.float32).item()
 _SMALLEST_SCALE = 2.0 ** -126
 _NAN, _INF = float("nan"), float("inf")
 
@@ -23,17 +22,24 @@ def blocks_of(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def _squared(q):
+    f = q.float()
+    return f * f
+
+
+def _root_squared(q):
+    return torch.where(q == 0, 0.25, _squared(q))
+
+
 def m_level(a):
     """Moments8::m_level: exp_avg's level of codes a >= 0 (int tensor), in
     units of the scale."""
-    t = a.float() * M_STEP
-    return t * t
+    return _squared(a) * M_STEP2
 
 
 def root_level(q):
     """Moments8::root_level: sqrt(exp_avg_sq)'s level of codes q."""
-    t = torch.where(q == 0, ROOT_FLOOR, q.float() * ROOT_STEP)
-    return t * t
+    return _root_squared(q) * ROOT_STEP2
 
 
 def m_of(q, s):
@@ -80,18 +86,22 @@ def root_fraction(bits):
     return fraction_of(bits & 0xFFFF)
 
 
-def _code(x, r, levels, level, squared):
-    """Moments8::code_of: the largest code whose level is at most x (from
-    float64's sqrt, corrected exactly as the kernel corrects its
-    approximate one), then one up with the probability that makes the
-    expected level (its square where ``squared``) x's."""
-    c = torch.clamp((torch.sqrt(x.double()) * levels).floor().to(torch.int32), 0, levels - 1)
-    q = c - (level(c) > x).to(torch.int32) + (level(c + 1) <= x).to(torch.int32)
-    q = torch.clamp(q, 0, levels - 1)
-    lo, hi, w = level(q), level(q + 1), x
-    if squared:
-        lo, hi, w = lo * lo, hi * hi, x * x
-    return q + (r * (hi - lo) < w - lo).to(torch.int32)
+def _code(x, r, root):
+    """Moments8::code_of: q = floor(sqrt(x) * levels) in float32 (clamped
+    to levels - 1), then one up where x (x^2 for sqrt(exp_avg_sq)) is above
+    the threshold lo + r * (hi - lo), computed as the kernel computes it."""
+    levels = ROOT_LEVELS if root else M_LEVELS
+    q = torch.clamp((torch.sqrt(x) * float(levels)).to(torch.int32), max=levels - 1)
+    if root:
+        lo, hi = _root_squared(q), _squared(q + 1)
+        lo2 = lo * lo
+        step4 = torch.tensor(ROOT_STEP2, dtype=torch.float32) ** 2
+        threshold = (lo2 + r * (hi * hi - lo2)) * step4
+        x = x * x
+    else:
+        qf = q.float()
+        threshold = (_squared(q) + r * (qf + qf + 1.0)) * M_STEP2
+    return q + (threshold < x).to(torch.int32)
 
 
 def _ratio(a, inv):
@@ -102,7 +112,7 @@ def _ratio(a, inv):
 def m_code(m, inv, r):
     """Moments8::m_code: int8 codes of exp_avg m, blocks' inverse scales inv,
     random fractions r (float32 in (0, 1))."""
-    q = _code(_ratio(m.abs(), inv), r, M_LEVELS, m_level, False)
+    q = _code(_ratio(m.abs(), inv), r, False)
     q = torch.where(_finite(m), q, M_INFINITE)
     q = torch.where(m < 0, -q, q)
     return torch.where(torch.isnan(m), M_NOT_FINITE, q).to(torch.int8)
@@ -111,7 +121,7 @@ def m_code(m, inv, r):
 def root_code(root, inv, r):
     """Moments8::root_code: uint8 codes of sqrt(exp_avg_sq), rounded in
     exp_avg_sq's domain."""
-    q = _code(_ratio(root, inv), r, ROOT_LEVELS, root_level, True)
+    q = _code(_ratio(root, inv), r, True)
     q = torch.where(_finite(root), q, ROOT_INFINITE)
     return torch.where(torch.isnan(root), ROOT_NOT_FINITE, q).to(torch.uint8)
 
