@@ -192,7 +192,7 @@ def test_code_bits_are_independent_halves():
     from the param's key, against both."""
     n = 1 << 18
     key = ref.stochastic_key(5, 0, 3)
-    moment_key = ref.stochastic_key(5, 0, 3 ^ (1 << 63))
+    moment_key = ref.stochastic_key(5, 0, 3 ^ ref.MOMENT_STREAM)
     idx = torch.arange(n, dtype=torch.int64)
     bits = ref.stochastic_bits(moment_key, idx)
     weight = ref.stochastic_bits(key, idx)
