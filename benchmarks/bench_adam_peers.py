@@ -22,9 +22,17 @@ torch is listed with the reason instead of figures.
 
     PYTHONPATH=. python benchmarks/bench_adam_peers.py [--steps N] [--rounds N]
     PYTHONPATH=. python benchmarks/bench_adam_peers.py --smoke   # tiny: checks it runs
+    PYTHONPATH=. python benchmarks/bench_adam_peers.py --seeds 5 --steps N [--runs TEXT ...]
 
 Writes benchmarks/results/adam_peers.md and, with matplotlib installed,
 docs/img/adam_peers.png (held-out loss against steps); --smoke writes nothing.
+--seeds N (N >= 2) runs the accuracy part only, once per seed (the seed
+draws the initialization and the batches), for the runs whose label
+contains one of the --runs texts (default: every run), and writes the final
+losses as mean +- sample standard deviation over the seeds, and each seed's
+loss against the float32 run of the same seed, to
+benchmarks/results/adam_peers_seeds.md (the losses do not depend on the
+machine's load: written whatever the load).
 """
 import argparse
 import copy
@@ -181,24 +189,24 @@ def train(init, dtype, make, lr, train_batches, held):
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
-def accuracy(steps, size):
+def accuracy(steps, size, seed=0, runs=RUNS):
     vocab, ids = token_stream(300_000)
     split = int(0.9 * len(ids))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     ctx = size["ctx"]
     train_batches = batches(ids, 0, split, steps, 16, ctx, gen)
     held = batches(ids, split, len(ids), 1, 256, ctx, gen)[0]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     init = GPT2(vocab, **size).double()
     n_params = sum(p.numel() for p in init.parameters())
     curves, rows = {}, []
     for lr in LRS:
-        for label, dtype, make, nbytes in RUNS:
+        for label, dtype, make, nbytes in runs:
             t0 = time.perf_counter()
             curves.setdefault(lr, {})[label] = train(init, dtype, make, lr, train_batches, held)
             print(f"  lr {lr:g} {label}: {time.perf_counter() - t0:.1f} s", flush=True)
         base = curves[lr][REFERENCE][-1][1]
-        for label, _, _, nbytes in RUNS:
+        for label, _, _, nbytes in runs:
             c = curves[lr][label]
             rows.append((lr, label, c if isinstance(c, str) else c[-1][1], base, nbytes))
     head = (f"GPT-2 architecture ({size['layers']} layers, width {size['dim']}, "
@@ -263,6 +271,36 @@ def speed(rounds, shapes):
     return out
 
 
+def seeds_table(head, per_seed, seeds):
+    """Final loss per run and lr as mean +- standard deviation over the
+    seeds, and each seed's loss against its own float32 run (paired)."""
+    cells = {}
+    for rows in per_seed:
+        for lr, label, loss, base, nbytes in rows:
+            c = cells.setdefault(label, {"bytes": nbytes})
+            c.setdefault(lr, []).append((loss, base))
+    cols = " | ".join(f"loss, lr {lr:g} | vs float32, lr {lr:g}" for lr in LRS)
+    lines = [head + f" Mean +- sample standard deviation over {seeds} seeds (0 to {seeds - 1}: "
+             "the initialization and the batches); 'vs float32' pairs each seed with the "
+             "float32 run of that seed.", "",
+             f"| optimizer, params | bytes/param | {cols} |",
+             "|---|---:|" + "---:|---:|" * len(LRS)]
+    for label, c in cells.items():
+        row = [label, f"{c['bytes']:.4g}"]
+        for lr in LRS:
+            got = c[lr]
+            failed = [x for x, _ in got if isinstance(x, str)]
+            if failed:
+                row += [f"not run: {failed[0]}", ""]
+                continue
+            losses = [x for x, _ in got]
+            rel = [100 * (x / b - 1) for x, b in got]
+            row += [f"{statistics.mean(losses):.4f} +- {statistics.stdev(losses):.4f}",
+                    f"{statistics.mean(rel):+.3f}% +- {statistics.stdev(rel):.3f}%"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def plot(curves, path):
     try:
         import matplotlib
@@ -297,6 +335,10 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model, 3 steps, a 2^12-element speed case; writes nothing")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="N >= 2: the accuracy part only, mean +- std over N seeds")
+    ap.add_argument("--runs", nargs="+", default=None,
+                    help="with --seeds: only the runs whose label contains one of these")
     protocol.add_arguments(ap)
     args = ap.parse_args()
     run = protocol.Run(args.force)
@@ -306,6 +348,23 @@ def main():
     if args.smoke:
         size, args.steps, args.rounds = dict(ctx=8, dim=16, layers=1, heads=2), 3, 1
         shapes, speed_label = [(1 << 12,)], "2^12"
+    if args.seeds > 1:
+        runs = [r for r in RUNS if r[0] == REFERENCE or args.runs is None
+                or any(t in r[0] for t in args.runs)]
+        per_seed = []
+        for seed in range(args.seeds):
+            head, rows, _ = accuracy(args.steps, size, seed, runs)
+            per_seed.append(rows)
+        runs_arg = (" --runs " + " ".join(f"'{t}'" for t in args.runs)) if args.runs else ""
+        text = (seeds_table(head, per_seed, args.seeds) + "\n\n"
+                f"torch {torch.__version__}, torch.set_num_threads({args.threads}). Command: "
+                f"`PYTHONPATH=. python benchmarks/bench_adam_peers.py --seeds {args.seeds} "
+                f"--steps {args.steps} --threads {args.threads}{runs_arg}`\n")
+        print(text)
+        if not args.smoke:
+            with open(os.path.join(RESULTS, "adam_peers_seeds.md"), "w") as f:
+                f.write(text)
+        return 0
     head, rows, curves = accuracy(args.steps, size)
     timings = speed(args.rounds, shapes)
     copy_gbs = protocol.copy_bandwidth(args.rounds, 1 << 26)

@@ -6,21 +6,35 @@
 // of kBlock; each block keeps one float32 scale per moment (the op's
 // moment_scales: row 0 exp_avg's, row 1 exp_avg_sq's) and one byte per
 // element and moment:
-//  - exp_avg as int8 q in [-127, 127]: m = sign(q) * s * (|q| / 127)^2. The
+//  - exp_avg as int8 q in [-126, 126]: m = sign(q) * s * (|q| / 126)^2. The
 //    square root companding spends the codes where the values are small, so
 //    a moment at 1% of its block's largest keeps about 6% precision where a
 //    linear code would keep none.
 //  - exp_avg_sq through its square root (the quantity the update divides
-//    by), as uint8 q in [0, 254]: sqrt(v) = s * (q / 254)^2, companded again,
-//    so that sqrt(v) spans 2^16 and v 2^32 of its block's largest.
+//    by), as uint8 q in [0, 253]: sqrt(v) = s * (q / 253)^2, companded again,
+//    so that sqrt(v) spans 2^16 and v 2^32 of its block's largest; code 0
+//    reads as half a step, s * (1 / 506)^2, not 0: an update can never
+//    divide by eps alone because sqrt(v)'s code fell to 0 (docs/adam.md: the
+//    bound);
 //  - the scale is the block's largest finite magnitude (of m, of sqrt(v)),
 //    0 where it is below float32's smallest normal (those blocks read as 0);
-//  - codes are rounded stochastically in the companded domain (16 random
-//    bits each), so that an exp_avg_sq that moves by 0.1% a step (beta2 =
-//    0.999, far below its code's spacing) still moves on average, where
-//    rounding to nearest would freeze it;
-//  - a moment that is not finite is stored as -128 (exp_avg) or 255
-//    (exp_avg_sq) and reads back as NaN, that element only.
+//  - codes are rounded stochastically *in the value domain* (exp_avg in m,
+//    exp_avg_sq in v = sqrt(v)^2): between the two levels around the value,
+//    up with the probability that makes the expected decoded value the
+//    value itself, so the decoded moments are unbiased (exp_avg_sq above its
+//    floor), and an exp_avg_sq that moves by 0.1% a step (beta2 = 0.999, far
+//    below its code's spacing) still moves on average, where rounding to
+//    nearest would freeze it. 16 random bits each, the two halves of one
+//    32-bit draw (a stream apart from the weight's): with 8, a moment whose
+//    step adds less than 1/512 of a code step (an EMA's (1 - beta) * g in
+//    a block with an outlier) would never round up;
+//  - the levels are q^2 (an exact integer) times 1 / levels^2, and the code
+//    below the value is floor(sqrt(x) * levels) with IEEE float32 sqrt, on
+//    every platform the same bits;
+//  - a moment that is not finite keeps its value: +-inf as 127 / -127
+//    (exp_avg) or 254 (exp_avg_sq), NaN as -128 or 255, that element only
+//    (an infinite exp_avg_sq reads back as infinite, and its update is
+//    m / inf = 0, as with float32 states and in torch).
 // A step's update uses the moments it computes in float32; the codes are
 // what the next step starts from.
 #pragma once
@@ -33,13 +47,15 @@ namespace torchcast {
 
 struct Moments8 {
   static constexpr int64_t kBlock = 256;
-  static constexpr int kMLevels = 127;
-  static constexpr int kRootLevels = 254;
-  static constexpr int8_t kMNotFinite = -128;
-  static constexpr uint8_t kRootNotFinite = 255;
-  static constexpr float kMStep = 1.0f / 127.0f;  // rounded once
-  static constexpr float kRootStep = 1.0f / 254.0f;
-  static constexpr float kRandomUnit = 0x1p-16f;  // 16 random bits as [0, 1)
+  static constexpr int kMLevels = 126;
+  static constexpr int kRootLevels = 253;
+  static constexpr int8_t kMNotFinite = -128;  // NaN
+  static constexpr int8_t kMInfinite = 127;    // +inf; -127 is -inf
+  static constexpr uint8_t kRootInfinite = 254;
+  static constexpr uint8_t kRootNotFinite = 255;  // NaN
+  // 1 / levels^2, rounded once: a level is q^2 (an exact integer) times it.
+  static constexpr float kMStep2 = 1.0f / (126.0f * 126.0f);
+  static constexpr float kRootStep2 = 1.0f / (253.0f * 253.0f);
   static constexpr float kSmallestScale = 0x1p-126f;
 
   // The moment format's storage, for dispatch and operand pointers.
@@ -48,19 +64,29 @@ struct Moments8 {
 
   TC_HD static bool finite(float x) { return (bit_cast<uint32_t>(x) & 0x7f800000u) != 0x7f800000u; }
 
+  // The levels, in units of the block's scale: exp_avg's code a >= 0 reads
+  // as m_level(a) * s, sqrt(exp_avg_sq)'s code q as root_level(q) * s.
+  // q^2 in float32 (exact: q <= 253), and the level's q^2 of sqrt(exp_avg_sq),
+  // whose code 0 is half a step: (1/2)^2 in place of 0.
+  TC_HD static float squared(int q) {
+    const float f = static_cast<float>(q);
+    return f * f;
+  }
+  TC_HD static float root_squared(int q) { return q == 0 ? 0.25f : squared(q); }
+  TC_HD static float m_level(int a) { return squared(a) * kMStep2; }
+  TC_HD static float root_level(int q) { return root_squared(q) * kRootStep2; }
+
   // exp_avg of code q in a block of scale s.
   TC_HD static float m_of(int8_t q, float s) {
     const int a = q < 0 ? -static_cast<int>(q) : static_cast<int>(q);
-    const float t = static_cast<float>(a) * kMStep;
-    const float mag = (t * t) * s;
+    const float mag = a > kMLevels ? bit_cast<float>(0x7f800000u) : m_level(a) * s;
     const float m = q < 0 ? -mag : mag;
     return q == kMNotFinite ? bit_cast<float>(0x7fc00000u) : m;
   }
 
   // sqrt(exp_avg_sq) of code q in a block of scale s.
   TC_HD static float root_of(uint8_t q, float s) {
-    const float t = static_cast<float>(q) * kRootStep;
-    const float r = (t * t) * s;
+    const float r = q == kRootInfinite ? bit_cast<float>(0x7f800000u) : root_level(q) * s;
     return q == kRootNotFinite ? bit_cast<float>(0x7fc00000u) : r;
   }
 
@@ -79,28 +105,70 @@ struct Moments8 {
   }
   TC_HD static float inverse(float s) { return s > 0.0f ? 1.0f / s : 0.0f; }
 
-  // The code of magnitude a (>= 0) with `levels` steps: sqrt(a / s) * levels
-  // plus a random fraction, truncated. a * inv is clamped to 1 (inv is
-  // rounded), and a non-finite a is clamped too: its code is replaced.
-  TC_HD static int code_of(float a, float inv, int levels, uint32_t r16) {
+  // The fractions of one element's 32 random bits (stochastic_bits of the
+  // moment key) that each code takes: the top half exp_avg's, the low half
+  // exp_avg_sq's. Disjoint bits of one uniform draw are independent
+  // (tested).
+  TC_HD static float m_fraction(uint32_t bits) { return fraction_of(bits >> 16); }
+  TC_HD static float root_fraction(uint32_t bits) { return fraction_of(bits & 0xffffu); }
+  // 16 random bits as a fraction in (0, 1), the middle of their 1/65536:
+  // the probability of rounding up is then the nearest multiple of 1/65536
+  // to the exact one (the expected value off by at most 2^-17 of a step).
+  TC_HD static float fraction_of(uint32_t r16) {
+    return static_cast<float>(2u * r16 + 1u) * 0x1p-17f;
+  }
+
+  // The code (in [0, levels]) of x = |moment| / scale in [0, 1], r a
+  // fraction in (0, 1): q = floor(sqrt(x) * levels) (clamped to
+  // levels - 1), the code whose level is at most x, then q + 1 where x is
+  // above lo + r * (hi - lo) (lo, hi: the levels of q and q + 1; for
+  // sqrt(exp_avg_sq) their squares against x^2, exp_avg_sq's domain), so
+  // that the expected level is x (above level(0)): with probability
+  // (x - lo) / (hi - lo). The threshold is computed in units of the levels'
+  // q^2 (exact integers) and scaled once. Where sqrt's rounding puts x
+  // within an ulp or two of a level on the wrong side of it, the
+  // probability is clamped to 0 or 1: a bias of that ulp or two.
+  template <bool kRoot>
+  TC_HD static int code_of(float x, float r) {
+    constexpr int levels = kRoot ? kRootLevels : kMLevels;
+    const int c = static_cast<int>(sqrtf(x) * static_cast<float>(levels));
+    const int q = c < levels - 1 ? c : levels - 1;
+    float threshold;
+    if constexpr (kRoot) {
+      const float lo = root_squared(q), hi = squared(q + 1);
+      const float lo2 = lo * lo;
+      threshold = (lo2 + r * (hi * hi - lo2)) * (kRootStep2 * kRootStep2);
+      x = x * x;
+    } else {
+      const float lo = squared(q), qf = static_cast<float>(q);
+      threshold = (lo + r * (qf + qf + 1.0f)) * kMStep2;
+    }
+    return q + (threshold < x ? 1 : 0);
+  }
+
+  // a * inv (inv the block's inverse scale) clamped to [0, 1]; a non-finite
+  // a is clamped too: its code is replaced.
+  TC_HD static float ratio(float a, float inv) {
     const float x = a * inv;
-    const float c = x < 1.0f ? x : 1.0f;
-    const float y = sqrtf(c) * static_cast<float>(levels) + static_cast<float>(r16) * kRandomUnit;
-    const int q = static_cast<int>(y);
-    return q < levels ? q : levels;
+    return x < 1.0f ? x : 1.0f;
   }
 
-  TC_HD static int8_t m_code(float m, float inv, uint32_t r16) {
+  // exp_avg m's code in a block of inverse scale inv, with the fraction r.
+  TC_HD static int8_t m_code(float m, float inv, float r) {
     const int32_t bits = bit_cast<int32_t>(m);
-    const int q = code_of(bit_cast<float>(bits & 0x7fffffff), inv, kMLevels, r16);
-    const int32_t sign = bits >> 31;  // all ones for a negative m: q negated as (q ^ -1) + 1
-    const int signed_q = (q ^ sign) - sign;
-    return static_cast<int8_t>(finite(m) ? signed_q : static_cast<int>(kMNotFinite));
+    const float a = bit_cast<float>(bits & 0x7fffffff);
+    const int q = code_of<false>(ratio(a, inv), r);
+    const int magnitude = finite(m) ? q : (a == a ? static_cast<int>(kMInfinite) : 128);
+    const int32_t sign = bits >> 31;  // all ones for a negative m: negated as (q ^ -1) + 1
+    const int signed_q = (magnitude ^ sign) - sign;
+    return static_cast<int8_t>(magnitude == 128 ? static_cast<int>(kMNotFinite) : signed_q);
   }
 
-  TC_HD static uint8_t root_code(float root, float inv, uint32_t r16) {
-    const int q = code_of(root, inv, kRootLevels, r16);
-    return static_cast<uint8_t>(finite(root) ? q : static_cast<int>(kRootNotFinite));
+  // sqrt(exp_avg_sq)'s code, rounded in exp_avg_sq's domain.
+  TC_HD static uint8_t root_code(float root, float inv, float r) {
+    const int q = code_of<true>(ratio(root, inv), r);
+    const int nf = root == root ? static_cast<int>(kRootInfinite) : static_cast<int>(kRootNotFinite);
+    return static_cast<uint8_t>(finite(root) ? q : nf);
   }
 };
 

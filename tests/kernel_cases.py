@@ -404,6 +404,11 @@ ADAM_VARIANTS = [
     ("amsgrad-tracked-scaled", dict(amsgrad=True, track=True, grad_scale=1024.0, edge=True)),
     ("tensor-lr-adamw-maximize", dict(tensor_lr=True, decoupled=True, wd=0.1, maximize=True)),
     ("strided-l2", dict(layout="strided", wd=0.01)),
+    # 8-bit moments only: a gradient of 1 heading each block of small ones
+    # (1e-6: sqrt(v)'s code falls to its floor while m's may not), and the
+    # format's largest finite gradient in places (bfloat16: its square
+    # overflows, exp_avg_sq becomes inf and reads back as inf).
+    ("outliers-huge", dict(outliers=True, wd=0.01, decoupled=True)),
 ]
 
 
@@ -425,6 +430,11 @@ def _adam_case(fmt, variant, seed):
                 one[3] = [t.new_empty(t.shape, dtype=torch.uint8).copy_(
                     torch.randint(0, 256, t.shape, generator=gen)) for t in one[3]]
                 scales.append(torch.rand(2, moments8_ref.blocks_of(n), generator=gen) * 0.01)
+                if o.get("outliers"):
+                    g = one[1][0]
+                    g.mul_(1e-6)
+                    g[::moments8_ref.BLOCK] = 1.0
+                    g[3::997] = torch.finfo(pdtype).max
             else:
                 one = make_operands(pdtype, sdtype, mode, o.get("amsgrad", False), (n,), gen,
                                     o.get("layout", "contiguous"), o.get("edge", False))
@@ -450,7 +460,8 @@ def _adam_case(fmt, variant, seed):
 
 ADAM_CASES = [_adam_case(fmt, variant, i * 10 + j) for i, fmt in enumerate(ADAM_FORMATS)
               for j, variant in enumerate(ADAM_VARIANTS)
-              if not (fmt[1] == "8bit" and variant[1].get("amsgrad"))]  # 8-bit: no amsgrad
+              if not (fmt[1] == "8bit" and variant[1].get("amsgrad"))  # 8-bit: no amsgrad
+              and (fmt[1] == "8bit" or not variant[1].get("outliers"))]
 ADAM_OPERANDS = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "compensation",
                  "step")
 

@@ -206,6 +206,8 @@ def test_constants_match_the_header():
     assert int(found["kRootLevels"]) == moments8.ROOT_LEVELS
     assert int(found["kMNotFinite"]) == moments8.M_NOT_FINITE
     assert int(found["kRootNotFinite"]) == moments8.ROOT_NOT_FINITE
+    assert int(found["kMInfinite"]) == moments8.M_INFINITE
+    assert int(found["kRootInfinite"]) == moments8.ROOT_INFINITE
     assert MOMENT_FORMATS[EIGHT_BIT].bytes_per_param == 2 + 8 / 256
 
 
@@ -213,29 +215,32 @@ def test_constants_match_the_header():
 # The codes against independent references
 
 def test_codes_decode_as_the_formula_says():
-    """Every code against numpy float64: exp_avg = sign * s * (|q|/127)^2,
-    sqrt(exp_avg_sq) = s * (q/254)^2, within float32 rounding of the three
-    operations; the not-finite codes read NaN."""
+    """Every code against numpy float64: exp_avg = sign * s * (|q|/126)^2,
+    sqrt(exp_avg_sq) = s * (q/253)^2 and code 0 half a step, s * (1/506)^2,
+    within float32 rounding of the three operations; +-127 and 254 read
+    +-inf, -128 and 255 NaN."""
     s = torch.tensor(0.37)
     q = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     got = moments8.m_of(q, s.expand(256)).double().numpy()
     qn = q.numpy().astype(np.float64)
-    want = np.sign(qn) * 0.37 * (np.abs(qn) / 127) ** 2
-    ok = qn != -128
+    want = np.sign(qn) * 0.37 * (np.abs(qn) / 126) ** 2
+    ok = np.abs(qn) <= 126
     assert np.all(np.abs(got[ok] - want[ok]) <= 4e-7 * np.abs(want[ok]) + 1e-30)
-    assert np.isnan(got[~ok]).all()
+    assert np.isnan(got[qn == -128]).all()
+    assert got[qn == 127] == np.inf and got[qn == -127] == -np.inf
     r = torch.arange(256, dtype=torch.int16).to(torch.uint8)
     got = moments8.root_of(r, s.expand(256)).double().numpy()
     rn = r.numpy().astype(np.float64)
-    want = 0.37 * (rn / 254) ** 2
-    assert np.all(np.abs(got[:255] - want[:255]) <= 4e-7 * want[:255] + 1e-30)
-    assert np.isnan(got[255])
+    want = 0.37 * (np.where(rn == 0, 0.5, rn) / 253) ** 2
+    assert np.all(np.abs(got[:254] - want[:254]) <= 4e-7 * want[:254])
+    assert got[254] == np.inf and np.isnan(got[255])
 
 
 def test_nearest_codes_are_nearest():
     """quantize(nearest) picks, for every element, the code whose value is
-    nearest in the companded domain (numpy float64), and the block scale is
-    the block's largest magnitude."""
+    nearest (exp_avg's in m, exp_avg_sq's in v; numpy float64 over every
+    code, to float32 rounding), and the block scale is the block's largest
+    magnitude."""
     gen = torch.Generator().manual_seed(6)
     m = torch.randn(4 * SCALE_BLOCK + 17, generator=gen) * torch.logspace(-4, 0, 4 * 256 + 17)
     v = m.abs() * torch.rand(m.shape, generator=gen)
@@ -244,31 +249,44 @@ def test_nearest_codes_are_nearest():
     mn = m.double().numpy()
     sm = np.array([np.abs(mn[block == b]).max() for b in range(scales.shape[1])])
     assert np.array_equal(scales[0].double().numpy(), sm.astype(np.float32).astype(np.float64))
-    y = np.sqrt(np.abs(mn) / sm[block]) * 127
-    assert np.all(np.abs(np.abs(qm.numpy()) - y) <= 0.5 + 1e-5)
+    levels = sm[block][:, None] * (np.arange(127) / 126.0)[None, :] ** 2
+    dist = np.abs(levels - np.abs(mn)[:, None])
+    got = dist[np.arange(len(mn)), np.abs(qm.numpy().astype(np.int64))]
+    assert np.all(got <= dist.min(axis=1) + 1e-6 * np.abs(mn) + 1e-12)
+    root = np.sqrt(v.double().numpy())
+    sr = np.array([root[block == b].max() for b in range(scales.shape[1])])
+    t = np.where(np.arange(254) == 0, 0.5, np.arange(254)) / 253.0
+    vlevels = (sr[block][:, None] * t[None, :] ** 2) ** 2
+    dist = np.abs(vlevels - (root ** 2)[:, None])
+    got = dist[np.arange(len(mn)), qr.numpy().astype(np.int64)]
+    assert np.all(got <= dist.min(axis=1) + 1e-6 * root ** 2 + 1e-30)
 
 
 @pytest.mark.parametrize("frac", [0.1, 0.37, 0.8])
 def test_stochastic_codes_are_unbiased(frac):
-    """A value at `frac` of the way between two codes (companded domain)
-    rounds up with probability frac: 2^15 draws within 5 sigma."""
+    """A value at `frac` of the way between two levels (exp_avg's in m,
+    exp_avg_sq's in v) rounds up with probability frac to the nearest 1/256
+    (8 random bits): 2^15 draws within 5 sigma of it."""
     n = 1 << 15
     s = torch.ones(n // SCALE_BLOCK).repeat_interleave(SCALE_BLOCK)
-    y = 60 + frac  # in code units
-    m = torch.full((n,), float((y / 127) ** 2))
     bits = ref.stochastic_bits(ref.stochastic_key(11, 0, 1), torch.arange(n))
-    q = moments8.m_code(m, 1.0 / s, bits >> 16).to(torch.int32)
-    exact = float(torch.sqrt(m[0].double()) * 127 - 60)  # float32 m: its own fraction
-    up = int((q == 61).sum())
-    assert int(((q == 60) | (q == 61)).sum()) == n
-    sigma = (n * exact * (1 - exact)) ** 0.5
-    assert abs(up - n * exact) < 5 * sigma, (up, n * exact)
+    lo, hi = (60 / 126) ** 2, (61 / 126) ** 2
+    m = torch.full((n,), lo + frac * (hi - lo))
+    q = moments8.m_code(m, 1.0 / s, moments8.m_fraction(bits)).to(torch.int32)
+    vlo, vhi = (60 / 253) ** 4, (61 / 253) ** 4
+    root = torch.full((n,), (vlo + frac * (vhi - vlo)) ** 0.5)
+    qr = moments8.root_code(root, 1.0 / s, moments8.root_fraction(bits)).to(torch.int32)
+    for codes in (q, qr):
+        up = int((codes == 61).sum())
+        assert int(((codes == 60) | (codes == 61)).sum()) == n
+        p = round(frac * 256) / 256
+        assert abs(up - n * p) < 5 * (n * p * (1 - p)) ** 0.5, (up, n * p)
 
 
 def test_small_moments_keep_precision():
     """Square-root companding: a moment at 1% of its block's largest is kept
     within 8% (nearest codes), where a linear 8-bit code would read 0 or
-    1/127 (78% apart)."""
+    1/126 (78% apart)."""
     m = torch.full((SCALE_BLOCK,), 0.01)
     m[0] = 1.0
     qm, _, scales = moments8.quantize(m, m.abs())
@@ -292,7 +310,7 @@ def test_second_moment_decays_as_float32():
         o8.step()
         o32.step()
     s = o8.state[w8]
-    _, v8 = moments8.dequantize(s["exp_avg"], s["exp_avg_sq"], s["moment_scales"])
+    _, v8 = moments8.dequantize(s["exp_avg_code"], s["exp_avg_sq_code"], s["moment_scales"])
     v32 = o32.state[w32]["exp_avg_sq"]
     assert (v8.mean() / v32.mean() - 1).abs() < 0.05
     assert v32.mean() < 0.2 * 1.0  # it did decay
@@ -403,10 +421,10 @@ def test_accounting_counts_unresolved_moments():
         opt.step()
         r = opt.update_stats().params[0]
         s = opt.state[w]
-        m, _ = moments8.dequantize(s["exp_avg"], s["exp_avg_sq"], s["moment_scales"])
+        m, _ = moments8.dequantize(s["exp_avg_code"], s["exp_avg_sq_code"], s["moment_scales"])
         exact = 0.1 * grads.bfloat16().double().numpy()
         off = np.abs(m.double().numpy() - exact) * 2 > np.abs(exact)
-        lost = (s["exp_avg"].numpy() == 0) & (exact != 0)
+        lost = (s["exp_avg_code"].numpy() == 0) & (exact != 0)
         # exact float64 moments agree with the kernel's float32 ones to a rounding
         assert abs(r.exp_avg_off - int(off.sum())) <= n // 100
         assert r.exp_avg_lost == int(lost.sum())
@@ -439,8 +457,8 @@ def trained(state_dtype, steps=3, seed=0):
 def moments_of(opt, p):
     s = opt.state[p]
     if "moment_scales" in s:
-        return moments8.dequantize(s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1),
-                                   s["moment_scales"])
+        return moments8.dequantize(s["exp_avg_code"].reshape(-1),
+                                   s["exp_avg_sq_code"].reshape(-1), s["moment_scales"])
     return s["exp_avg"].float().reshape(-1), s["exp_avg_sq"].float().reshape(-1)
 
 
@@ -479,7 +497,7 @@ def test_state_dict_converts_between_formats(src, dst):
                      state_dtype=EIGHT_BIT, compensation="stochastic")
         back.load_state_dict(other.state_dict())
         for p, q in zip(params, back.param_groups[0]["params"]):
-            for key in ("exp_avg", "exp_avg_sq", "moment_scales"):
+            for key in ("exp_avg_code", "exp_avg_sq_code", "moment_scales"):
                 assert_same_bits(opt.state[p][key], back.state[q][key], key)
     # a step runs on what was loaded
     for q in fresh:

@@ -146,8 +146,8 @@ TC_CPU_CLONES UpdateTally adam_run_moments8(
     for (int64_t j = 0; j < end; ++j) {
       const uint32_t bits =
           stochastic_bits_low(tconsts.moment_key, high, low + static_cast<uint32_t>(j));
-      const int8_t qm = Moments8::m_code(mn[j], inv_m, bits >> 16);
-      const uint8_t qr = Moments8::root_code(root[j], inv_r, bits & 0xffffu);
+      const int8_t qm = Moments8::m_code(mn[j], inv_m, Moments8::m_fraction(bits));
+      const uint8_t qr = Moments8::root_code(root[j], inv_r, Moments8::root_fraction(bits));
       m[b + j] = qm;
       v[b + j] = qr;
       if constexpr (kTrack) {

@@ -250,8 +250,9 @@ __global__ void __launch_bounds__(kAdamThreads)
     }
     if (in) {
       const uint32_t bits = stochastic_bits(t.moment_key, j);
-      const int8_t qm = Moments8::m_code(mn, Moments8::inverse(new_sm), bits >> 16);
-      const uint8_t qr = Moments8::root_code(root, Moments8::inverse(new_sr), bits & 0xffffu);
+      const int8_t qm = Moments8::m_code(mn, Moments8::inverse(new_sm), Moments8::m_fraction(bits));
+      const uint8_t qr =
+          Moments8::root_code(root, Moments8::inverse(new_sr), Moments8::root_fraction(bits));
       m[j] = qm;
       v[j] = qr;
       ElementTally e;

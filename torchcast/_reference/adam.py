@@ -329,8 +329,9 @@ def _step_tensor_moments8(k, t, mode, p, g, m, v, scales, c, stats=None):
     new_scales = torch.stack([moments8.block_scales(mn, block, scales.shape[1]),
                               moments8.block_scales(root, block, scales.shape[1])])
     bits = stochastic_bits(t.moment_key, torch.arange(n, dtype=torch.int64)).to(p.device)
-    mq = moments8.m_code(mn, 1.0 / _nonzero(new_scales[0])[block], bits >> 16)
-    rq = moments8.root_code(root, 1.0 / _nonzero(new_scales[1])[block], bits & 0xFFFF)
+    mq = moments8.m_code(mn, 1.0 / _nonzero(new_scales[0])[block], moments8.m_fraction(bits))
+    rq = moments8.root_code(root, 1.0 / _nonzero(new_scales[1])[block],
+                            moments8.root_fraction(bits))
     if stats is not None:
         moments8.tally(stats, mn, mq, new_scales[0][block], root, rq, new_scales[1][block])
     _apply(k, t, mode, pf, cf, pv, u, stats)

@@ -6,13 +6,15 @@ a param; ``block`` gives each element's block."""
 import torch
 
 BLOCK = 256
-M_LEVELS, ROOT_LEVELS = 127, 254
-M_NOT_FINITE, ROOT_NOT_FINITE = -128, 255
-# 1 / levels rounded once to float32, as the C++ constants.
-M_STEP = (torch.tensor(1.0) / M_LEVELS).item()
-ROOT_STEP = (torch.tensor(1.0) / ROOT_LEVELS).item()
+M_LEVELS, ROOT_LEVELS = 126, 253
+M_NOT_FINITE, ROOT_NOT_FINITE = -128, 255  # NaN
+M_INFINITE, ROOT_INFINITE = 127, 254  # +inf (-127: -inf)
+# 1 / levels^2 rounded once to float32, as the C++ constants: a level is
+# q^2 times it; code 0 of sqrt(exp_avg_sq) is half a step, (1/2)^2 in place of q^2.
+M_STEP2 = torch.tensor(1.0 / M_LEVELS ** 2, dtype=torch.float32).item()
+ROOT_STEP2 = torch.tensor(1.0 / ROOT_LEVELS ** 2, dtype=torch.float32).item()
 _SMALLEST_SCALE = 2.0 ** -126
-_NAN = float("nan")
+_NAN, _INF = float("nan"), float("inf")
 
 
 def blocks_of(numel: int) -> int:
@@ -20,17 +22,38 @@ def blocks_of(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def _squared(q):
+    f = q.float()
+    return f * f
+
+
+def _root_squared(q):
+    return torch.where(q == 0, 0.25, _squared(q))
+
+
+def m_level(a):
+    """Moments8::m_level: exp_avg's level of codes a >= 0 (int tensor), in
+    units of the scale."""
+    return _squared(a) * M_STEP2
+
+
+def root_level(q):
+    """Moments8::root_level: sqrt(exp_avg_sq)'s level of codes q."""
+    return _root_squared(q) * ROOT_STEP2
+
+
 def m_of(q, s):
     """Moments8::m_of: exp_avg of int8 codes q with their blocks' scales s."""
-    t = q.to(torch.int32).abs().float() * M_STEP
-    mag = (t * t) * s
+    a = q.to(torch.int32).abs()
+    mag = torch.where(a > M_LEVELS, _INF, m_level(a) * s)
     return torch.where(q == M_NOT_FINITE, _NAN, torch.where(q < 0, -mag, mag))
 
 
 def root_of(q, s):
     """Moments8::root_of: sqrt(exp_avg_sq) of uint8 codes q."""
-    t = q.float() * ROOT_STEP
-    return torch.where(q == ROOT_NOT_FINITE, _NAN, (t * t) * s)
+    q = q.to(torch.int32)
+    r = torch.where(q == ROOT_INFINITE, _INF, root_level(q) * s)
+    return torch.where(q == ROOT_NOT_FINITE, _NAN, r)
 
 
 def _finite(x):
@@ -48,25 +71,59 @@ def block_scales(x, block, nblocks):
     return torch.where(a >= _SMALLEST_SCALE, a, 0.0)
 
 
-def _code(a, inv, levels, r16):
+def fraction_of(r16):
+    """Moments8::fraction_of: 16 random bits (int64) as (2 r16 + 1) / 2^17."""
+    return (2 * r16 + 1).float() * 2.0 ** -17
+
+
+def m_fraction(bits):
+    """exp_avg's fraction of an element's 32 random bits (the top half)."""
+    return fraction_of(bits >> 16)
+
+
+def root_fraction(bits):
+    """exp_avg_sq's fraction (the low half)."""
+    return fraction_of(bits & 0xFFFF)
+
+
+def _code(x, r, root):
+    """Moments8::code_of: q = floor(sqrt(x) * levels) in float32 (clamped
+    to levels - 1), then one up where x (x^2 for sqrt(exp_avg_sq)) is above
+    the threshold lo + r * (hi - lo), computed as the kernel computes it."""
+    levels = ROOT_LEVELS if root else M_LEVELS
+    q = torch.clamp((torch.sqrt(x) * float(levels)).to(torch.int32), max=levels - 1)
+    if root:
+        lo, hi = _root_squared(q), _squared(q + 1)
+        lo2 = lo * lo
+        step4 = torch.tensor(ROOT_STEP2, dtype=torch.float32) ** 2
+        threshold = (lo2 + r * (hi * hi - lo2)) * step4
+        x = x * x
+    else:
+        qf = q.float()
+        threshold = (_squared(q) + r * (qf + qf + 1.0)) * M_STEP2
+    return q + (threshold < x).to(torch.int32)
+
+
+def _ratio(a, inv):
     x = a * inv
-    c = torch.where(x < 1.0, x, 1.0)  # NaN compares false: clamped, its code replaced
-    y = torch.sqrt(c.double()).float() * float(levels) + r16.float() * 2.0 ** -16
-    return torch.clamp(y.to(torch.int32), max=levels)
+    return torch.where(x < 1.0, x, 1.0)  # NaN compares false: clamped, its code replaced
 
 
-def m_code(m, inv, r16):
+def m_code(m, inv, r):
     """Moments8::m_code: int8 codes of exp_avg m, blocks' inverse scales inv,
-    16 random bits r16 (int64)."""
-    q = _code(m.abs(), inv, M_LEVELS, r16)
+    random fractions r (float32 in (0, 1))."""
+    q = _code(_ratio(m.abs(), inv), r, False)
+    q = torch.where(_finite(m), q, M_INFINITE)
     q = torch.where(m < 0, -q, q)
-    return torch.where(_finite(m), q, M_NOT_FINITE).to(torch.int8)
+    return torch.where(torch.isnan(m), M_NOT_FINITE, q).to(torch.int8)
 
 
-def root_code(root, inv, r16):
-    """Moments8::root_code: uint8 codes of sqrt(exp_avg_sq)."""
-    q = _code(root, inv, ROOT_LEVELS, r16)
-    return torch.where(_finite(root), q, ROOT_NOT_FINITE).to(torch.uint8)
+def root_code(root, inv, r):
+    """Moments8::root_code: uint8 codes of sqrt(exp_avg_sq), rounded in
+    exp_avg_sq's domain."""
+    q = _code(_ratio(root, inv), r, True)
+    q = torch.where(_finite(root), q, ROOT_INFINITE)
+    return torch.where(torch.isnan(root), ROOT_NOT_FINITE, q).to(torch.uint8)
 
 
 def tally(stats, m, qm, sm, root, qr, sr):
@@ -85,19 +142,20 @@ def tally(stats, m, qm, sm, root, qr, sr):
         stats[i] += int(count.sum())
 
 
-def quantize(m, v, nearest=True, r=None):
+def quantize(m, v, r=None):
     """Float32 moments (exp_avg m, exp_avg_sq v, flat in step order) as
     (int8 codes, uint8 codes, float32 (2, blocks) scales): rounded to the
-    nearest code (r=None), as loading a wider state does, or with the random
-    bits r. The inverse of ``dequantize``'s codes where the moments are
-    exactly representable."""
+    nearest code in the value domain (r=None), as loading a wider state
+    does, or with the random bits r (32 an element, as the step draws them).
+    The inverse of ``dequantize``'s codes where the moments are exactly
+    representable."""
     n = m.numel()
     block = torch.arange(n, device=m.device) // BLOCK
     root = torch.sqrt(v.double()).float()
     scales = torch.stack([block_scales(m, block, blocks_of(n)),
                           block_scales(root, block, blocks_of(n))])
-    half = torch.full((n,), 1 << 15, dtype=torch.int64, device=m.device)
-    rm, rr = (half, half) if r is None else (r >> 16, r & 0xFFFF)
+    half = torch.full((n,), 0.5, device=m.device)
+    rm, rr = (half, half) if r is None else (m_fraction(r), root_fraction(r))
     inv = 1.0 / torch.where(scales > 0, scales, float("inf"))
     return m_code(m, inv[0][block], rm), root_code(root, inv[1][block], rr), scales
 

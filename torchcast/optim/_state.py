@@ -17,9 +17,14 @@ from ._validation import is_dtensor, lossy_load_error, real_dtype
 
 NARROW = (torch.bfloat16, torch.float16)
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-SCALES = "moment_scales"  # 8-bit moments: float32 (2, blocks), exp_avg's then exp_avg_sq's
+# 8-bit moments: int8 codes of exp_avg, uint8 codes of sqrt(exp_avg_sq), and
+# float32 (2, blocks) scales, exp_avg's then exp_avg_sq's. Under keys of their
+# own, which torch.optim.Adam does not read as moments: torch's load_state_dict
+# cannot install codes as exp_avg (its step then raises KeyError 'exp_avg').
+CODES = ("exp_avg_code", "exp_avg_sq_code")
+SCALES = "moment_scales"
 # Every state key a param of some mode keeps.
-KNOWN_STATE_KEYS = ("step",) + MOMENTS + CARRIED_STATE_KEYS + (SCALES,)
+KNOWN_STATE_KEYS = ("step",) + MOMENTS + CODES + CARRIED_STATE_KEYS + (SCALES,)
 _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64,
                torch.float64: torch.complex128}
 _KEYS = {}  # (mode, amsgrad, 8-bit) -> state keys
@@ -69,7 +74,7 @@ def state_keys(group: Dict[str, Any], p: torch.Tensor, mode: str) -> tuple:
     keys = _KEYS.get(key)
     if keys is None:
         carried = COMPENSATIONS[mode].state_key
-        keys = _KEYS[key] = (("step", "exp_avg", "exp_avg_sq")
+        keys = _KEYS[key] = (("step",) + (CODES if key[2] else ("exp_avg", "exp_avg_sq"))
                              + (("max_exp_avg_sq",) if key[1] else ())
                              + ((carried,) if carried else ()) + ((SCALES,) if key[2] else ()))
     return keys
@@ -96,8 +101,8 @@ def init_state(state: Dict[str, Any], group: Dict[str, Any], p: torch.Tensor) ->
     if "step" not in state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
     if eight_bit(group, p):
-        state.setdefault("exp_avg", _zeros(p, torch.int8))
-        state.setdefault("exp_avg_sq", _zeros(p, torch.uint8))
+        state.setdefault(CODES[0], _zeros(p, torch.int8))
+        state.setdefault(CODES[1], _zeros(p, torch.uint8))
         if SCALES not in state:
             state[SCALES] = torch.zeros(2, moments8.blocks_of(p.numel()), device=p.device)
     else:
@@ -138,7 +143,7 @@ def dequantized(saved: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """An 8-bit state's moments as float32 tensors of the param's shape: the
     values its next step would read (exact). The blocks follow the codes'
     memory order, as the kernel laid them out."""
-    codes_m, codes_v = saved["exp_avg"], saved["exp_avg_sq"]
+    codes_m, codes_v = saved[CODES[0]], saved[CODES[1]]
     order = adam_reference.element_index(codes_m)
     m, v = moments8.dequantize(_in_order(codes_m, order), _in_order(codes_v, order),
                                saved[SCALES].float())
@@ -151,8 +156,8 @@ def _quantized(p, m, v):
     order = adam_reference.element_index(p)
     qm, qv, scales = moments8.quantize(_in_order(m.float(), order).to(p.device),
                                        _in_order(v.float(), order).to(p.device))
-    return {"exp_avg": like(p, _from_order(qm, order, p.shape), torch.int8),
-            "exp_avg_sq": like(p, _from_order(qv, order, p.shape), torch.uint8), SCALES: scales}
+    return {CODES[0]: like(p, _from_order(qm, order, p.shape), torch.int8),
+            CODES[1]: like(p, _from_order(qv, order, p.shape), torch.uint8), SCALES: scales}
 
 
 def _same_values(a, b) -> bool:
@@ -179,9 +184,9 @@ def adopt(name: str, gi: int, i: int, group: Dict[str, Any], p: torch.Tensor,
     out = {}
     moments = {k: v for k, v in saved.items() if k in MOMENTS}
     if SCALES in saved:
-        if eight_bit(group, p) and _same_order(saved["exp_avg"], p):
-            moments = {"exp_avg": like(p, saved["exp_avg"], torch.int8),
-                       "exp_avg_sq": like(p, saved["exp_avg_sq"], torch.uint8),
+        if eight_bit(group, p) and _same_order(saved[CODES[0]], p):
+            moments = {CODES[0]: like(p, saved[CODES[0]], torch.int8),
+                       CODES[1]: like(p, saved[CODES[1]], torch.uint8),
                        SCALES: saved[SCALES].to(device=p.device, dtype=torch.float32)}
         else:
             moments = dequantized(saved)
@@ -193,7 +198,8 @@ def adopt(name: str, gi: int, i: int, group: Dict[str, Any], p: torch.Tensor,
             out[key] = step_tensor(value)
         elif key == mode.state_key:
             out[key] = like(p, value, mode.carried_dtype(p.dtype))
-        elif key not in MOMENTS and key != SCALES and key not in CARRIED_STATE_KEYS:
+        elif (key not in MOMENTS and key not in CODES and key != SCALES
+              and key not in CARRIED_STATE_KEYS):
             out[key] = value
     return out
 
@@ -256,7 +262,8 @@ def seed(state: Dict[str, Any], group: Dict[str, Any], p: torch.Tensor,
 def torch_format(state: Dict[str, Any]) -> Dict[str, Any]:
     """A param's state as torch.optim.Adam keeps it: float32 moments (8-bit
     ones dequantized, exactly), no compensation or scales."""
-    out = {k: v for k, v in state.items() if k not in CARRIED_STATE_KEYS and k != SCALES}
+    out = {k: v for k, v in state.items()
+           if k not in CARRIED_STATE_KEYS and k not in CODES and k != SCALES}
     if SCALES in state:
         out.update(dequantized(state))
     return out

@@ -69,7 +69,8 @@ def step_group(group: Dict[str, Any], gi: int,
         mode = _state.mode_of(group, lp.dtype)
         carried = COMPENSATIONS[mode].state_key
         state = state_of(p, mode)
-        tensors = [g, state["exp_avg"], state["exp_avg_sq"]]
+        tensors = [g] + [state[k] for k in (_state.CODES if _state.SCALES in state
+                                             else ("exp_avg", "exp_avg_sq"))]
         if amsgrad:
             tensors.append(state["max_exp_avg_sq"])
         if carried is not None:

@@ -17,6 +17,7 @@ from ..adam_modes import EIGHT_BIT, MOMENT_FORMATS, COMPENSATIONS, compensation_
 
 _STATE_DTYPES = (None,) + tuple(f.option for f in MOMENT_FORMATS.values())
 _SCALES = "moment_scales"
+_CODES = ("exp_avg_code", "exp_avg_sq_code")  # _state.CODES
 # The compensation modes by the state key of what they carry.
 _CARRIED_BY_KEY = {c.state_key: c for c in COMPENSATIONS.values() if c.state_key}
 # The compensation options of the optimizer: every mode but "none" (compensated=False).
@@ -358,7 +359,7 @@ def check_state(name, gi, i, p, state, keys, moments) -> None:
             continue
         carrier = _CARRIED_BY_KEY.get(key)
         want = moments if carrier is None else carrier.carried_dtype(p.dtype)
-        if key == "exp_avg_sq" and moments == torch.int8:
+        if key == _CODES[1]:
             want = torch.uint8  # 8-bit moments
         if not (isinstance(t, torch.Tensor) and t.dtype == want and t.shape == shape
                 and t.device == device and t.layout is torch.strided
@@ -419,10 +420,21 @@ def check_loaded_state(name, gi, i, p, saved, known) -> None:
                          f"{', '.join(known)}): is this the state dict of "
                          f"another optimizer (torch.optim.SGD keeps 'momentum_buffer')?"
                          f"{tail}")
-    missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if saved and k not in saved]
+    scaled = _SCALES in saved
+    old = saved.get("exp_avg")
+    if scaled and isinstance(old, torch.Tensor) and old.dtype == torch.int8:
+        raise ValueError(f"{where} holds 8-bit codes under 'exp_avg' with 'moment_scales': "
+                         "a state dict of an earlier torchcast, whose codes are in another "
+                         "format (127 and 254 levels, rounded in the companded domain); "
+                         "load it with the torchcast that saved it and save it with "
+                         f"state_dict(torch_format=True), which this one loads{tail}")
+    wanted = ("step",) + (_CODES if scaled else ("exp_avg", "exp_avg_sq"))
+    missing = [k for k in wanted if saved and k not in saved]
     if missing:
         raise ValueError(f"{where} lacks {missing}{tail}")
-    scaled = _SCALES in saved
+    codes = [k for k in _CODES if k in saved]
+    if codes and not scaled:
+        raise ValueError(f"{where} has 8-bit codes {codes} without their 'moment_scales'{tail}")
     for key, value in saved.items():
         if key == _SCALES:
             blocks = blocks_of(p.numel())
@@ -452,8 +464,8 @@ def check_loaded_state(name, gi, i, p, saved, known) -> None:
         carrier = _CARRIED_BY_KEY.get(key)
         if carrier is not None and carrier.carried != "param":
             ok, want = value.dtype == carrier.carried, str(carrier.carried)
-        elif scaled and key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            want = torch.int8 if key == "exp_avg" else torch.uint8
+        elif key in _CODES:
+            want = torch.int8 if key == _CODES[0] else torch.uint8
             ok, want = value.dtype == want, f"{want} (8-bit moments, with 'moment_scales')"
         elif p.is_complex():
             ok, want = value.is_complex(), "a complex dtype (the param is complex)"
