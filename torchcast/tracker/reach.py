@@ -15,7 +15,10 @@ The rule. An origin's NaN/inf *reached* if, after it and before its step
 ended, NaN/inf showed in one of the places a step's values leave by:
   1. the output of a top-level module call (checked as the call returns);
   2. a tensor backward() or autograd.grad() ran from: the loss (checked
-     before the engine runs);
+     before the engine runs), and the gradients it wrote into the
+     parameters of the step's top-level modules (checked as it returns,
+     before the program reads them: an update written by hand,
+     ``p.data.add_(p.grad, alpha=-lr)``, is no optimizer's step);
   3. the gradients an optimizer's step() read (checked before it runs)
      and, for the origins in the step itself, the parameters it wrote
      or the state it keeps (after: the gradients it read were finite,
@@ -29,7 +32,10 @@ origin in backward or inside the call cannot reach the next call's
 output but through the modules' parameters, which 4 reads; one in
 forward outside any module, which may make the next call's input,
 is also checked against that call's output), and the last one at the
-block's exit. Every check is of values that stay in the program (a
+block's exit. A top-level module without parameters (a transform such as
+nn.Identity or torchvision's Normalize, called on the data before the
+model) ends no step: it counts the steps only until a top-level module
+with parameters is called, which counts them from then on. Every check is of values that stay in the program (a
 NaN/inf seen there is not absorbed), so "absorbed" is sound for these
 places; what a step leaves elsewhere (a tensor kept in a module's
 plain attribute, a buffer, a Python variable read in a later step) is
@@ -58,7 +64,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
-from .events import BACKWARD, OPTIMIZER_STEP, subscribe, unsubscribe
+from .events import BACKWARD, BACKWARD_DONE, OPTIMIZER_STEP, subscribe, unsubscribe
 from .modules import add_output_listener, remove_output_listener, running_calls
 from .nonfinite_origin import NonFiniteError, floating_data
 from .origin import NonFiniteOrigin, reach_rank
@@ -98,6 +104,11 @@ class StepTracker:
         self.calls_done = 0
         self.stepping_root: Optional[int] = None
         self.stepping_name = ""
+        # The stepping module holds no parameters (a transform such as
+        # nn.Identity or torchvision's Normalize, called on the data before
+        # the model): it counts steps only until a top-level module with
+        # parameters is called, which takes its place, and ends none.
+        self.stepping_free = False
         # The undecided calls of origins, by (origin key, raw step), in time order.
         self.open: Dict[tuple, "_Occurrence"] = {}
         # Origin key -> [raw step of its first call, raw step where it reached]; a
@@ -119,6 +130,7 @@ class StepTracker:
         add_output_listener(self._module_returned)
         subscribe(OPTIMIZER_STEP, self._optimizer_step)
         subscribe(BACKWARD, self._backward_from)
+        subscribe(BACKWARD_DONE, self._backward_done)
 
     def end_block(self, failed: bool) -> Optional[NonFiniteError]:
         """At the block's exit, once the watch's pending flags are read:
@@ -146,6 +158,7 @@ class StepTracker:
             remove_output_listener(self._module_returned)
             unsubscribe(OPTIMIZER_STEP, self._optimizer_step)
             unsubscribe(BACKWARD, self._backward_from)
+            unsubscribe(BACKWARD_DONE, self._backward_done)
             with self.watch.lock:
                 for origin in self.watch.origins.values():
                     self._resolve(origin)
@@ -321,8 +334,10 @@ class StepTracker:
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
-        if self.stepping_root is None:
-            self.stepping_root = call.module_id
+        if self.stepping_root is None or (self.stepping_free and call.module_id != self.stepping_root
+                                          and not _parameter_free(call.owner)):
+            self.stepping_root, self.calls_done = call.module_id, 0
+            self.stepping_free = _parameter_free(call.owner)
             if call.owner is not None:
                 self.stepping_name = type(call.owner).__name__
         if call.module_id != self.stepping_root:
@@ -334,18 +349,21 @@ class StepTracker:
             self._keep_root(call)
             return
         number = self.calls_done + 1
+        # (a parameter-free one ends no step: what it would read to decide,
+        # the parameters of the steps' modules, it does not hold)
+        ends = not self.opt_seen and not self.stepping_free
         try:
-            if self.open and not self.opt_seen:
+            if self.open and ends:
                 # The steps before this call ended when it began.
                 self._close(lambda o: o.raw[1] < number and not o.outside, check=True)
             if self.open and self._any_nonfinite(tree_flatten(output)[0]):
                 self._reached(f"the output of {path or 'a compiled graph'}",
                               (self.opt_done, number))
-            if self.open and not self.opt_seen:
+            if self.open and ends:
                 self._close(lambda o: o.raw[1] < number, check=True)
         finally:  # "raise" may raise above: the call still counts
             self.calls_done = number
-            if not self.opt_seen:
+            if ends:
                 self.roots = {}
             self._keep_root(call)
 
@@ -365,6 +383,21 @@ class StepTracker:
         if self.open and self._any_nonfinite(outputs):
             self._reached("the loss (a tensor backward() ran from)",
                           (self.opt_done, self.calls_done))
+
+    def _backward_done(self, outputs: Iterable[Any]) -> None:
+        """backward() or autograd.grad() returned: the gradients it wrote
+        into the open steps' parameters are read (only while an origin is
+        undecided), before the program can use them: an update written by
+        hand (``p.data.add_(p.grad, alpha=-lr)``) is no optimizer's step,
+        and "raise" must stop before it writes."""
+        if self.in_worker:
+            return
+        if self.watch.pending:
+            self.watch.flush()
+        if self.open:
+            at = self._state_nonfinite()
+            if at is not None:
+                self._reached(at, (self.opt_done, self.calls_done))
 
     def _optimizer_step(self, optimizer, before: bool) -> None:
         """Before and after an optimizer's step()."""
@@ -413,6 +446,12 @@ class StepTracker:
         finally:
             self.opt_done += 1
             self.roots = {}
+
+
+def _parameter_free(module: Optional[torch.nn.Module]) -> bool:
+    """Whether ``module`` (a top-level call's; None: a compiled graph's)
+    holds no parameters."""
+    return module is not None and next(module.parameters(), None) is None
 
 
 class _Occurrence:
