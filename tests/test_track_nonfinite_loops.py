@@ -108,17 +108,37 @@ def test_raise_stops_before_a_hand_written_update_writes_a_parameter(nonfinite_e
     origin = raised.value.origin
     assert origin.phase == "backward" and origin.op in ("aten::div", "aten::mul",
                                                          "aten::pow", "aten::rsqrt")
-    assert origin.reached_at == "the gradients of _RNNish's parameters"
+    assert origin.reached_at == ("the gradients of _RNNish's parameters, which aten::add_ was "
+                                 "about to write into them")
     assert "Raised where NaN/inf reached the gradients of _RNNish's parameters" in \
         str(raised.value)
 
 
-def test_record_names_the_backward_origin_of_a_hand_written_loop(nonfinite_engine):
+def test_a_step_gradscaler_skips_is_not_stopped(nonfinite_engine):
+    """Overflowed gradients a GradScaler finds and skips write no parameter:
+    "raise" lets the run go on (after a first step that ran: see the
+    report of issue 46 for a skip before any optimizer step)."""
     torch.manual_seed(0)
-    report = _hand_written_sgd(_RNNish(), "record", steps=1)
-    first = report.first_nonfinite
-    assert first.phase == "backward" and first.reached and first.step == 1
-    assert first.reached_at == "the gradients of _RNNish's parameters"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    scales = []
+    with torchcast.track(nonfinite="raise") as report:
+        for step in range(3):
+            if step in (1, 2):  # step 2's gradients overflow float16, step 3's do not
+                scaler.update(new_scale=2.0 ** 60 if step == 1 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            if step == 1:  # skipped
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            scaler.update()
+            scales.append(scaler.get_scale())
+    assert scales[1] < 2.0 ** 60  # step 2 overflowed and was skipped
+    assert report.ended_by is None and all(torch.isfinite(p).all() for p in model.parameters())
 
 
 class _ConvBN(torch.nn.Module):

@@ -15,10 +15,11 @@ The rule. An origin's NaN/inf *reached* if, after it and before its step
 ended, NaN/inf showed in one of the places a step's values leave by:
   1. the output of a top-level module call (checked as the call returns);
   2. a tensor backward() or autograd.grad() ran from: the loss (checked
-     before the engine runs), and the gradients it wrote into the
-     parameters of the step's top-level modules (checked as it returns,
-     before the program reads them: an update written by hand,
-     ``p.data.add_(p.grad, alpha=-lr)``, is no optimizer's step);
+     before the engine runs); under "raise", also the gradients it wrote
+     into the parameters of the step's top-level modules, where an op
+     (an update written by hand, ``p.data.add_(p.grad, alpha=-lr)``, no
+     optimizer's step) is about to write them into a parameter
+     (param_writes.py);
   3. the gradients an optimizer's step() read (checked before it runs)
      and, for the origins in the step itself, the parameters it wrote
      or the state it keeps (after: the gradients it read were finite,
@@ -68,6 +69,7 @@ from .events import BACKWARD, BACKWARD_DONE, OPTIMIZER_STEP, subscribe, unsubscr
 from .modules import add_output_listener, remove_output_listener, running_calls
 from .nonfinite_origin import NonFiniteError, floating_data
 from .origin import NonFiniteOrigin, reach_rank
+from .param_writes import ParamWriteGuard
 
 
 class StepTracker:
@@ -120,6 +122,9 @@ class StepTracker:
         # Under "raise": the error for an origin found outside any check (an
         # optimizer step's deferred write), raised at the next one.
         self.pending_error: Optional[NonFiniteError] = None
+        # Under "raise", after a backward that left NaN/inf in the gradients
+        # while an origin was undecided, until the step's next boundary.
+        self.guard: Optional[ParamWriteGuard] = None
 
     # -- what the watch calls -------------------------------------------------------
     def start(self) -> None:
@@ -153,6 +158,7 @@ class StepTracker:
         """Stops following the thread's steps (whatever ``end_block`` did),
         and gives each of the watch's origins its step as the whole block
         counts it."""
+        self._leave_guard()
         if self.started:
             self.started = False
             remove_output_listener(self._module_returned)
@@ -288,9 +294,10 @@ class StepTracker:
         if at is not None and self.watch.action == "raise":
             raise _reached_error([o.origin for o in occurrences], at)
 
-    def _state_nonfinite(self) -> Optional[str]:
+    def _state_nonfinite(self, parameters: bool = True) -> Optional[str]:
         """What the open steps' top-level modules hold NaN/inf in (their
-        parameters' gradients, or their parameters), or None."""
+        parameters' gradients, or with ``parameters`` their parameters), or
+        None."""
         for ref in list(self.roots.values()):
             root = ref()
             if root is None:
@@ -298,7 +305,7 @@ class StepTracker:
             params = list(root.parameters())
             if self._any_nonfinite(p.grad for p in params):
                 return f"the gradients of {type(root).__name__}'s parameters"
-            if self._any_nonfinite(params):
+            if parameters and self._any_nonfinite(params):
                 return f"{type(root).__name__}'s parameters"
         return None
 
@@ -331,6 +338,7 @@ class StepTracker:
             self.forwards[path] = _forward_of(call.owner)
         if call.parent is not None:
             return
+        self._leave_guard()
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
@@ -377,6 +385,7 @@ class StepTracker:
         """backward() or autograd.grad() is about to run from ``outputs``."""
         if self.in_worker:
             return
+        self._leave_guard()
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
@@ -385,24 +394,48 @@ class StepTracker:
                           (self.opt_done, self.calls_done))
 
     def _backward_done(self, outputs: Iterable[Any]) -> None:
-        """backward() or autograd.grad() returned: the gradients it wrote
-        into the open steps' parameters are read (only while an origin is
-        undecided), before the program can use them: an update written by
-        hand (``p.data.add_(p.grad, alpha=-lr)``) is no optimizer's step,
-        and "raise" must stop before it writes."""
-        if self.in_worker:
+        """backward() or autograd.grad() returned. Under "raise", while an
+        origin is undecided, the gradients it wrote into the open steps'
+        parameters are read: with NaN/inf there, the ops that follow are
+        watched until the step's next boundary, and the first that writes
+        into one of those parameters raises before it does
+        (param_writes.py): an update written by hand
+        (``p.data.add_(p.grad, alpha=-lr)``) is no optimizer's step. One
+        that writes none (a GradScaler skipping its step) runs on."""
+        if self.in_worker or self.watch.action != "raise" or self.guard is not None:
             return
         if self.watch.pending:
             self.watch.flush()
-        if self.open:
-            at = self._state_nonfinite()
-            if at is not None:
-                self._reached(at, (self.opt_done, self.calls_done))
+        if not self.open:
+            return
+        at = self._state_nonfinite(parameters=False)  # (backward writes none)
+        if at is None:
+            return
+        now = (self.opt_done, self.calls_done)
+        params = [p for ref in list(self.roots.values()) if ref() is not None
+                  for p in ref().parameters()]
+
+        def error(op: str) -> Optional[BaseException]:
+            try:
+                self._reached(f"{at}, which {op} was about to write into them", now)
+            except NonFiniteError as raised:
+                return raised
+            return None
+
+        self.guard = ParamWriteGuard(params, error)
+        self.guard.enter()
+
+    def _leave_guard(self) -> None:
+        """Leaves the guard _backward_done entered, at a boundary of the step."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.leave()
 
     def _optimizer_step(self, optimizer, before: bool) -> None:
         """Before and after an optimizer's step()."""
         if self.in_worker:
             return
+        self._leave_guard()
         if self.watch.pending:
             self.watch.flush()  # the ops before this point get the step they ran in
         self.opt_depth += 1 if before else -1
