@@ -36,9 +36,10 @@ is also checked against that call's output), and the last one at the
 block's exit. A top-level module without parameters (a transform such as
 nn.Identity or torchvision's Normalize, called on the data before the
 model) ends no step: it counts the steps only until a top-level module
-with parameters is called, which counts them from then on. Every check is of values that stay in the program (a
-NaN/inf seen there is not absorbed), so "absorbed" is sound for these
-places; what a step leaves elsewhere (a tensor kept in a module's
+with parameters is called, which counts them from then on. Every check
+is of values that stay in the program (a NaN/inf seen there is not
+absorbed), so "absorbed" is sound for these places; what a step leaves
+elsewhere (a tensor kept in a module's
 plain attribute, a buffer, a Python variable read in a later step) is
 not followed. When a check sees NaN/inf, every origin of the step not
 yet decided is marked reached: which one's values they were is not
@@ -342,8 +343,9 @@ class StepTracker:
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
-        if self.stepping_root is None or (self.stepping_free and call.module_id != self.stepping_root
-                                          and not _parameter_free(call.owner)):
+        if self.stepping_root is None or (
+                self.stepping_free and call.module_id != self.stepping_root
+                and not _parameter_free(call.owner)):
             self.stepping_root, self.calls_done = call.module_id, 0
             self.stepping_free = _parameter_free(call.owner)
             if call.owner is not None:
