@@ -78,6 +78,11 @@ class CompiledRegion:
                    bool(d.get("compiled_in_track")), tuple(d.get("unwatched", ())))
 
 
+_INDUCTOR_METRICS = ("inductor_compile_time_s", "inductor_cumulative_compile_time_us",
+                     "inductor_fx_local_cache_hit_count", "inductor_fx_local_cache_miss_count",
+                     "inductor_fx_remote_cache_hit_count", "inductor_fx_remote_cache_miss_count")
+
+
 def _compiled_functions() -> Dict[tuple, Tuple[str, str, int, bool]]:
     """{(compile id, start time): (function, file, first line, whether
     Inductor compiled it)} of the
@@ -100,9 +105,9 @@ def _compiled_functions() -> Dict[tuple, Tuple[str, str, int, bool]]:
             continue  # the backward of a frame compiled before: the same region
         if m.co_name is not None:
             named.add(compile_id)
-        # (aot_eager and eager leave Inductor's times unset: their graphs dispatch every op)
-        inductor = (getattr(m, "inductor_compile_time_s", None) is not None
-                    or getattr(m, "inductor_cumulative_compile_time_us", None) is not None)
+        # (aot_eager and eager leave Inductor's times and cache counts unset or
+        # 0: their graphs dispatch every op; a cache hit has counts, no times)
+        inductor = any(getattr(m, name, None) for name in _INDUCTOR_METRICS)
         regions[(compile_id, m.start_time)] = (m.co_name, m.co_filename, m.co_firstlineno,
                                                inductor)
     return regions
