@@ -61,6 +61,7 @@ def written(argument) -> bool:
 
 
 _STATS = ("running_mean", "running_var")
+_writes_stats = {}  # id(op) -> writes_stats(op): OpOverload's __hash__ is Python code
 
 
 def writes_stats(func) -> bool:
@@ -68,9 +69,12 @@ def writes_stats(func) -> bool:
     saying so in its schema (native_batch_norm's running_mean and
     running_var have no (a!)): when its ``training`` argument is true, or
     always where it has none (batch_norm_update_stats)."""
-    schema = getattr(func, "_schema", None)
-    return schema is not None and any(a.name in _STATS and not written(a)
-                                      for a in schema.arguments)
+    found = _writes_stats.get(id(func))
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = _writes_stats[id(func)] = schema is not None and any(
+            a.name in _STATS and not written(a) for a in schema.arguments)
+    return found
 
 
 def _writes(argument, training: bool) -> bool:
