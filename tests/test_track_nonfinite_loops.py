@@ -105,6 +105,10 @@ def test_raise_stops_before_a_hand_written_update_writes_a_parameter(nonfinite_e
         _hand_written_sgd(model, "raise")
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]), f"{name} was written"
+    # the guard and the track's dispatch mode left in order: nothing stays on
+    from torch.utils import _python_dispatch
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not _python_dispatch._is_in_torch_dispatch_mode
     origin = raised.value.origin
     assert origin.phase == "backward" and origin.op in ("aten::div", "aten::mul",
                                                          "aten::pow", "aten::rsqrt")

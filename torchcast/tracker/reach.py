@@ -159,7 +159,7 @@ class StepTracker:
         """Stops following the thread's steps (whatever ``end_block`` did),
         and gives each of the watch's origins its step as the whole block
         counts it."""
-        self._leave_guard()
+        self.leave_guard()
         if self.started:
             self.started = False
             remove_output_listener(self._module_returned)
@@ -339,7 +339,7 @@ class StepTracker:
             self.forwards[path] = _forward_of(call.owner)
         if call.parent is not None:
             return
-        self._leave_guard()
+        self.leave_guard()
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
@@ -387,7 +387,7 @@ class StepTracker:
         """backward() or autograd.grad() is about to run from ``outputs``."""
         if self.in_worker:
             return
-        self._leave_guard()
+        self.leave_guard()
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
@@ -427,8 +427,9 @@ class StepTracker:
         self.guard = ParamWriteGuard(params, error)
         self.guard.enter()
 
-    def _leave_guard(self) -> None:
-        """Leaves the guard _backward_done entered, at a boundary of the step."""
+    def leave_guard(self) -> None:
+        """Leaves the guard _backward_done entered, at a boundary of the step
+        and when the track stops (before the modes entered before it)."""
         guard, self.guard = self.guard, None
         if guard is not None:
             guard.leave()
@@ -437,7 +438,7 @@ class StepTracker:
         """Before and after an optimizer's step()."""
         if self.in_worker:
             return
-        self._leave_guard()
+        self.leave_guard()
         if self.watch.pending:
             self.watch.flush()  # the ops before this point get the step they ran in
         self.opt_depth += 1 if before else -1
