@@ -12,9 +12,12 @@ that writes into a parameter's storage. It is entered only then (a healthy
 step never pays for it), and left at the next boundary of the step (a
 top-level module's output, the next backward, an optimizer's step, the
 track's exit): a step that writes no parameter (a GradScaler that skips
-its step on overflowed gradients) is not stopped.
+its step on overflowed gradients) is not stopped. A dispatch mode the
+program enters after it and leaves before that boundary would take it off
+torch's stack of modes in its place (they are a stack): not seen in the
+loops this was written for.
 """
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,7 +33,8 @@ class ParamWriteGuard(TorchDispatchMode):
             name ("aten::add_").
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], error: Callable[[str], BaseException]):
+    def __init__(self, params: Iterable[torch.Tensor],
+                 error: Callable[[str], Optional[BaseException]]):
         super().__init__()
         self.storages = {p.untyped_storage().data_ptr() for p in params
                          if type(p) in (torch.Tensor, torch.nn.Parameter)
