@@ -145,6 +145,14 @@ def test_a_step_gradscaler_skips_is_not_stopped(nonfinite_engine):
     assert report.ended_by is None and all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_record_names_the_backward_origin_of_a_hand_written_loop(nonfinite_engine):
+    torch.manual_seed(0)
+    report = _hand_written_sgd(_RNNish(), "record", steps=1)
+    first = report.first_nonfinite
+    assert first.phase == "backward" and first.reached and first.step == 1
+    assert first.reached_at == "the gradients of _RNNish's parameters"  # (at the block's end)
+
+
 class _ConvBN(torch.nn.Module):
     def __init__(self):
         super().__init__()
