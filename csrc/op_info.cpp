@@ -62,11 +62,20 @@ OpInfo describe(const at::RecordFunction& fn, const std::string& full) {
   // A view of an input; one that decomposes (to, reshape) may copy instead:
   // the ops it calls say.
   info.view = alias != nullptr && !alias->isWrite() && !info.decomposes;
+  bool stats = false;
   for (const auto& argument : schema->arguments()) {
     info.out_args.push_back(argument.is_out());
     const auto* written = argument.alias_info();
     info.written.push_back(written != nullptr && written->isWrite() && !argument.is_out());
+    const bool stat = !info.written.back() &&
+                      (argument.name() == "running_mean" || argument.name() == "running_var");
+    info.stats_written.push_back(stat);
+    stats = stats || stat;
+    if (argument.name() == "training" && argument.type()->kind() == c10::TypeKind::BoolType) {
+      info.training_arg = static_cast<int>(info.stats_written.size()) - 1;
+    }
   }
+  if (!stats) info.stats_written.clear();
   return info;
 }
 
@@ -96,6 +105,18 @@ const OpInfo& info_of(const at::RecordFunction& fn) {
     it->second.generation = generation;
   }
   return it->second.info;
+}
+
+const std::vector<bool>& written_now(const OpInfo& info, const c10::ArrayRef<c10::IValue>& inputs,
+                                     std::vector<bool>& scratch) {
+  if (info.stats_written.empty()) return info.written;
+  if (info.training_arg >= 0) {
+    const size_t at = static_cast<size_t>(info.training_arg);
+    if (at >= inputs.size() || !inputs[at].isBool() || !inputs[at].toBool()) return info.written;
+  }
+  scratch = info.written;
+  for (size_t i = 0; i < scratch.size(); ++i) scratch[i] = scratch[i] || info.stats_written[i];
+  return scratch;
 }
 
 void set_unchecked_ops(const std::vector<std::string>& names) {

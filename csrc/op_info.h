@@ -21,7 +21,19 @@ struct OpInfo {
   bool cast = false;          // aten::_to_copy or aten::copy_: may change the dtype
   std::vector<bool> out_args;  // out= arguments: outputs, not inputs (their bits are garbage)
   std::vector<bool> written;   // inputs the op writes to (self of an in-place op), not out=
+  // The running statistics a batch norm writes without saying so in its
+  // schema (native_batch_norm's running_mean and running_var: no (a!)), and
+  // the index of its bool `training` argument: written when it is true (-1:
+  // always, batch_norm_update_stats). Empty for other ops.
+  std::vector<bool> stats_written;
+  int training_arg = -1;
 };
+
+// The inputs the op recorded by fn writes to this call: info.written, with
+// a batch norm's running statistics when it trains. Returns &info.written,
+// or `scratch` filled.
+const std::vector<bool>& written_now(const OpInfo& info, const c10::ArrayRef<c10::IValue>& inputs,
+                                     std::vector<bool>& scratch);
 
 // The facts of the op fn records (transparent for a record that is not an op).
 const OpInfo& info_of(const at::RecordFunction& fn);

@@ -389,11 +389,17 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   call->first_output = info.first_output;
   call->decomposes = info.decomposes;
   const auto values = fn.inputs();
-  if (info.writes) call->before.resize(values.size());
+  // A training batch norm writes its running statistics undeclared: read
+  // before, as an in-place op's self, so that what it leaves in them is
+  // not taken for NaN/inf entering.
+  std::vector<bool> scratch;
+  const std::vector<bool>& written = written_now(info, values, scratch);
+  const bool writes = info.writes || &written == &scratch;
+  if (writes) call->before.resize(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
     const c10::IValue& v = values[i];
     if (i < info.out_args.size() && info.out_args[i]) continue;
-    if (info.writes && i < info.written.size() && info.written[i]) {
+    if (writes && i < written.size() && written[i]) {
       // Read now: the op is about to overwrite it, and an origin's
       // description needs it as the op received it.
       call->before[i] = before_write(v, call->inputs_bad);
@@ -407,7 +413,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       }
     }
   }
-  if (info.writes) {
+  if (info.writes) {  // (a batch norm's other inputs: read after it, only if its output is not finite)
     for (const at::Tensor& t : call->inputs) {
       call->inputs_bad |= !finite_at.holds(t) && !all_finite(t);
     }
@@ -522,6 +528,13 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (out_bad) {
     if (!call->inputs_read) {
       for (const at::Tensor& t : call->inputs) call->inputs_bad |= !all_finite(t);
+    }
+    // What it wrote into its inputs (a batch norm's running statistics) is
+    // its own, as its outputs are.
+    for (size_t i = 0; i < call->before.size(); ++i) {
+      if (!call->before[i].isNone()) each_tensor(call->input_values[i], [](const at::Tensor& t) {
+        if (floating(t) && !all_finite(t)) known.mark(t);
+      });
     }
     std::vector<int64_t> entered;
     bool passed_on = call->callee_nonfinite;  // NaN/inf that came with a known input

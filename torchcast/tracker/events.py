@@ -1,6 +1,6 @@
 """The events of a training step that a track's features subscribe to,
 beside the module calls (modules.py's output listeners): an optimizer's
-step, before and after it, and the start of a backward pass.
+step, before and after it, and the start and the end of a backward pass.
 
 Optimizer steps come from torch.optim's global step hooks (every Optimizer
 subclass); the start of backward from torch.autograd's engine entry, which
@@ -17,24 +17,26 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 # An optimizer step: callback(optimizer, before: bool). The start of a
-# backward pass: callback(outputs it runs from).
-OPTIMIZER_STEP, BACKWARD = "optimizer step", "backward"
+# backward pass: callback(outputs it runs from); its end, once the engine
+# returned (the gradients written, nothing else run yet): callback(outputs).
+OPTIMIZER_STEP, BACKWARD, BACKWARD_DONE = "optimizer step", "backward", "backward done"
+_EVENTS = (OPTIMIZER_STEP, BACKWARD, BACKWARD_DONE)
 
 _lock = threading.Lock()
 _installed = False
 _local = threading.local()  # .subscribers: this thread's {event: [callback]}
-_everywhere: Dict[str, List[Callable[..., None]]] = {OPTIMIZER_STEP: [], BACKWARD: []}
+_everywhere: Dict[str, List[Callable[..., None]]] = {event: [] for event in _EVENTS}
 
 
 def _thread_subscribers() -> Dict[str, List[Callable[..., None]]]:
     subscribers = getattr(_local, "subscribers", None)
     if subscribers is None:
-        subscribers = _local.subscribers = {OPTIMIZER_STEP: [], BACKWARD: []}
+        subscribers = _local.subscribers = {event: [] for event in _EVENTS}
     return subscribers
 
 
 def subscribe(event: str, callback: Callable[..., None], any_thread: bool = False) -> None:
-    """Calls ``callback`` at each ``event`` (OPTIMIZER_STEP or BACKWARD) of
+    """Calls ``callback`` at each ``event`` (OPTIMIZER_STEP, BACKWARD or BACKWARD_DONE) of
     the calling thread (of every thread with ``any_thread``) until
     ``unsubscribe`` with the same arguments."""
     _install()
@@ -63,8 +65,8 @@ def _optimizer_post_hook(optimizer, args, kwargs) -> None:
         callback(optimizer, False)
 
 
-def _backward_from(outputs: Iterable[Any]) -> None:
-    for callback in _listeners(BACKWARD):
+def _backward_from(outputs: Iterable[Any], event: str = BACKWARD) -> None:
+    for callback in _listeners(event):
         callback(outputs)
 
 
@@ -82,10 +84,15 @@ def _install() -> None:
             return
 
         def _engine_run_backward(t_outputs, *args, **kwargs):
-            if (getattr(_local, "subscribers", None) or _everywhere[BACKWARD]) \
-                    and not torch.compiler.is_compiling():
-                _backward_from([t_outputs] if isinstance(t_outputs, torch.Tensor) else t_outputs)
-            return run_backward(t_outputs, *args, **kwargs)
+            watched = (getattr(_local, "subscribers", None) or _everywhere[BACKWARD]
+                       or _everywhere[BACKWARD_DONE]) and not torch.compiler.is_compiling()
+            if not watched:
+                return run_backward(t_outputs, *args, **kwargs)
+            outputs = [t_outputs] if isinstance(t_outputs, torch.Tensor) else t_outputs
+            _backward_from(outputs)
+            result = run_backward(t_outputs, *args, **kwargs)
+            _backward_from(outputs, BACKWARD_DONE)
+            return result
 
         _engine_run_backward.__wrapped__ = run_backward
         _engine_run_backward.__doc__ = run_backward.__doc__

@@ -56,6 +56,8 @@ class NonFiniteFeature:
 
     def stop(self, error: Optional[BaseException]) -> Optional[BaseException]:
         failed = error is not None
+        # A guard reach.py entered after the dispatch mode (param_writes.py) leaves first.
+        self.watch.steps.leave_guard()
         if self.in_cpp:
             nonfinite.stop_cpp(self.watch)
         else:

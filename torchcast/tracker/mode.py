@@ -37,7 +37,7 @@ from ..stats import PendingStats
 from .diagnose import mismatch_note, note_dtype_mismatch, op_name, promoted_operands
 from .measure import MeasuredCast, measure_cast
 from .nonfinite import NonFiniteWatch
-from .op_args import inputs_nonfinite, written_before
+from .op_args import inputs_nonfinite, writes_stats, written_before
 from .own import unwatched
 from .modules import (current_module, install_module_hooks, module_of_node,
                       refresh_autocast_state, remove_module_hooks, watch_autocast)
@@ -145,7 +145,7 @@ def _watched_op(mode, func, args, kwargs):
     mutates = _mutates.get(id(func))
     if mutates is None:
         mutates = _mutates[id(func)] = bool(getattr(func, "_schema", None)
-                                            and func._schema.is_mutable)
+                                            and func._schema.is_mutable) or writes_stats(func)
     before = written_before(func, args, kwargs) if mutates else None
     inputs_bad = inputs_nonfinite(func, args, kwargs, before) if mutates else None
     out = _run_op(mode.recorders, func, args, kwargs)

@@ -234,6 +234,11 @@ class NonFiniteWatch:
             if not (entered or passed_on):
                 return  # only an input it returned as it is (a no-op .to()): as a view is
         self.known.mark(outs)
+        if before:  # what it wrote into its inputs (a batch norm's running statistics) is its own
+            given = dict((argument.name, value) for argument, value in bound(func, args, kwargs))
+            self.known.mark(t for name in before for t in tree_flatten(given.get(name))[0]
+                            if isinstance(t, torch.Tensor) and floating_data(t)
+                            and not _ops.finite(t))
         if entered:  # found where they entered: their next readers only pass them on
             given = list(bound(func, args, kwargs))
             self.known.mark(tree_flatten([given[i][1] for i in entered])[0])

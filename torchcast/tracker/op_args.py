@@ -36,7 +36,7 @@ def inputs_nonfinite(func, args: tuple, kwargs: dict,
     read once): a bool for CPU tensors, else a bool tensor on their device
     (no sync)."""
     values = tree_flatten([v for argument, v in bound(func, args, kwargs)
-                           if not argument.is_out and not written(argument)])[0]
+                           if not argument.is_out and argument.name not in before])[0]
     values += [amax for amaxes in before.values() for amax in amaxes if amax is not None]
     device = next((v.device for v in values
                    if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
@@ -60,13 +60,38 @@ def written(argument) -> bool:
     return alias is not None and alias.is_write and not argument.is_out
 
 
+_STATS = ("running_mean", "running_var")
+_writes_stats = {}  # id(op) -> writes_stats(op): OpOverload's __hash__ is Python code
+
+
+def writes_stats(func) -> bool:
+    """Whether the op writes a batch norm's running statistics without
+    saying so in its schema (native_batch_norm's running_mean and
+    running_var have no (a!)): when its ``training`` argument is true, or
+    always where it has none (batch_norm_update_stats)."""
+    found = _writes_stats.get(id(func))
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = _writes_stats[id(func)] = schema is not None and any(
+            a.name in _STATS and not written(a) for a in schema.arguments)
+    return found
+
+
+def _writes(argument, training: bool) -> bool:
+    return written(argument) or (training and argument.name in _STATS)
+
+
 def written_before(func, args: tuple, kwargs: dict) -> Dict[str, Any]:
     """The amax of each floating tensor (or tensor list) an in-place op is
-    about to overwrite, by argument name: 0-d tensors on their devices (no
+    about to overwrite, by argument name (a training batch norm's running
+    statistics among them, writes_stats): 0-d tensors on their devices (no
     sync), read when an origin is described."""
+    given = list(bound(func, args, kwargs))
+    training = writes_stats(func) and all(
+        bool(value) for argument, value in given if argument.name == "training")
     before = {}
-    for argument, value in bound(func, args, kwargs):
-        if not written(argument):
+    for argument, value in given:
+        if not _writes(argument, training):
             continue
         tensors = value if isinstance(value, (list, tuple)) else [value]
         before[argument.name] = [

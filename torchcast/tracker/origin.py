@@ -167,8 +167,10 @@ class NonFiniteOrigin:
             phase = f"in backward, in the gradient of {self.node}, {made}"
             where += " (the line that ran backward)"
         else:
+            # (outside any module an op may be the loss's, or a load_state_dict's
+            # copy, or an assignment to the data: no forward to name)
             phase = (f"in {self.module}'s forward" if self.module
-                     else "in forward, outside any tracked module")
+                     else "outside any tracked module")
         if self.step is not None:
             where += f", in {step_phrase(self.step_kind, self.step)}"
         reach = self.reach_text()
@@ -241,9 +243,11 @@ class NonFiniteOrigin:
 
 
 def step_phrase(kind: Optional[str], step: int) -> str:
-    """A step as the reports write it: "optimizer step 3", "call 3 of Net"."""
+    """A step as the reports write it: "optimizer step 3", "call 3 of Net",
+    "the time before the first call of Net" (step 0)."""
     if kind is not None and kind.startswith("call of "):
-        return f"call {step} of {kind[len('call of '):]}"
+        name = kind[len('call of '):]
+        return f"call {step} of {name}" if step else f"the time before the first call of {name}"
     return f"{kind} {step}"
 
 

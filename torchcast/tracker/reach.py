@@ -15,7 +15,11 @@ The rule. An origin's NaN/inf *reached* if, after it and before its step
 ended, NaN/inf showed in one of the places a step's values leave by:
   1. the output of a top-level module call (checked as the call returns);
   2. a tensor backward() or autograd.grad() ran from: the loss (checked
-     before the engine runs);
+     before the engine runs); under "raise", also the gradients it wrote
+     into the parameters of the step's top-level modules, where an op
+     (an update written by hand, ``p.data.add_(p.grad, alpha=-lr)``, no
+     optimizer's step) is about to write them into a parameter
+     (param_writes.py);
   3. the gradients an optimizer's step() read (checked before it runs)
      and, for the origins in the step itself, the parameters it wrote
      or the state it keeps (after: the gradients it read were finite,
@@ -29,9 +33,13 @@ origin in backward or inside the call cannot reach the next call's
 output but through the modules' parameters, which 4 reads; one in
 forward outside any module, which may make the next call's input,
 is also checked against that call's output), and the last one at the
-block's exit. Every check is of values that stay in the program (a
-NaN/inf seen there is not absorbed), so "absorbed" is sound for these
-places; what a step leaves elsewhere (a tensor kept in a module's
+block's exit. A top-level module without parameters (a transform such as
+nn.Identity or torchvision's Normalize, called on the data before the
+model) ends no step: it counts the steps only until a top-level module
+with parameters is called, which counts them from then on. Every check
+is of values that stay in the program (a NaN/inf seen there is not
+absorbed), so "absorbed" is sound for these places; what a step leaves
+elsewhere (a tensor kept in a module's
 plain attribute, a buffer, a Python variable read in a later step) is
 not followed. When a check sees NaN/inf, every origin of the step not
 yet decided is marked reached: which one's values they were is not
@@ -58,10 +66,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
-from .events import BACKWARD, OPTIMIZER_STEP, subscribe, unsubscribe
+from .events import BACKWARD, BACKWARD_DONE, OPTIMIZER_STEP, subscribe, unsubscribe
 from .modules import add_output_listener, remove_output_listener, running_calls
 from .nonfinite_origin import NonFiniteError, floating_data
 from .origin import NonFiniteOrigin, reach_rank
+from .param_writes import ParamWriteGuard
 
 
 class StepTracker:
@@ -98,6 +107,11 @@ class StepTracker:
         self.calls_done = 0
         self.stepping_root: Optional[int] = None
         self.stepping_name = ""
+        # The stepping module holds no parameters (a transform such as
+        # nn.Identity or torchvision's Normalize, called on the data before
+        # the model): it counts steps only until a top-level module with
+        # parameters is called, which takes its place, and ends none.
+        self.stepping_free = False
         # The undecided calls of origins, by (origin key, raw step), in time order.
         self.open: Dict[tuple, "_Occurrence"] = {}
         # Origin key -> [raw step of its first call, raw step where it reached]; a
@@ -109,6 +123,9 @@ class StepTracker:
         # Under "raise": the error for an origin found outside any check (an
         # optimizer step's deferred write), raised at the next one.
         self.pending_error: Optional[NonFiniteError] = None
+        # Under "raise", after a backward that left NaN/inf in the gradients
+        # while an origin was undecided, until the step's next boundary.
+        self.guard: Optional[ParamWriteGuard] = None
 
     # -- what the watch calls -------------------------------------------------------
     def start(self) -> None:
@@ -119,6 +136,7 @@ class StepTracker:
         add_output_listener(self._module_returned)
         subscribe(OPTIMIZER_STEP, self._optimizer_step)
         subscribe(BACKWARD, self._backward_from)
+        subscribe(BACKWARD_DONE, self._backward_done)
 
     def end_block(self, failed: bool) -> Optional[NonFiniteError]:
         """At the block's exit, once the watch's pending flags are read:
@@ -141,11 +159,13 @@ class StepTracker:
         """Stops following the thread's steps (whatever ``end_block`` did),
         and gives each of the watch's origins its step as the whole block
         counts it."""
+        self.leave_guard()
         if self.started:
             self.started = False
             remove_output_listener(self._module_returned)
             unsubscribe(OPTIMIZER_STEP, self._optimizer_step)
             unsubscribe(BACKWARD, self._backward_from)
+            unsubscribe(BACKWARD_DONE, self._backward_done)
             with self.watch.lock:
                 for origin in self.watch.origins.values():
                     self._resolve(origin)
@@ -275,9 +295,10 @@ class StepTracker:
         if at is not None and self.watch.action == "raise":
             raise _reached_error([o.origin for o in occurrences], at)
 
-    def _state_nonfinite(self) -> Optional[str]:
+    def _state_nonfinite(self, parameters: bool = True) -> Optional[str]:
         """What the open steps' top-level modules hold NaN/inf in (their
-        parameters' gradients, or their parameters), or None."""
+        parameters' gradients, or with ``parameters`` their parameters), or
+        None."""
         for ref in list(self.roots.values()):
             root = ref()
             if root is None:
@@ -285,7 +306,7 @@ class StepTracker:
             params = list(root.parameters())
             if self._any_nonfinite(p.grad for p in params):
                 return f"the gradients of {type(root).__name__}'s parameters"
-            if self._any_nonfinite(params):
+            if parameters and self._any_nonfinite(params):
                 return f"{type(root).__name__}'s parameters"
         return None
 
@@ -318,11 +339,15 @@ class StepTracker:
             self.forwards[path] = _forward_of(call.owner)
         if call.parent is not None:
             return
+        self.leave_guard()
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
-        if self.stepping_root is None:
-            self.stepping_root = call.module_id
+        if self.stepping_root is None or (
+                self.stepping_free and call.module_id != self.stepping_root
+                and not _parameter_free(call.owner)):
+            self.stepping_root, self.calls_done = call.module_id, 0
+            self.stepping_free = _parameter_free(call.owner)
             if call.owner is not None:
                 self.stepping_name = type(call.owner).__name__
         if call.module_id != self.stepping_root:
@@ -334,18 +359,21 @@ class StepTracker:
             self._keep_root(call)
             return
         number = self.calls_done + 1
+        # (a parameter-free one ends no step: what it would read to decide,
+        # the parameters of the steps' modules, it does not hold)
+        ends = not self.opt_seen and not self.stepping_free
         try:
-            if self.open and not self.opt_seen:
+            if self.open and ends:
                 # The steps before this call ended when it began.
                 self._close(lambda o: o.raw[1] < number and not o.outside, check=True)
             if self.open and self._any_nonfinite(tree_flatten(output)[0]):
                 self._reached(f"the output of {path or 'a compiled graph'}",
                               (self.opt_done, number))
-            if self.open and not self.opt_seen:
+            if self.open and ends:
                 self._close(lambda o: o.raw[1] < number, check=True)
         finally:  # "raise" may raise above: the call still counts
             self.calls_done = number
-            if not self.opt_seen:
+            if ends:
                 self.roots = {}
             self._keep_root(call)
 
@@ -359,6 +387,7 @@ class StepTracker:
         """backward() or autograd.grad() is about to run from ``outputs``."""
         if self.in_worker:
             return
+        self.leave_guard()
         self._raise_pending()
         if self.watch.pending:
             self.watch.flush()
@@ -366,10 +395,50 @@ class StepTracker:
             self._reached("the loss (a tensor backward() ran from)",
                           (self.opt_done, self.calls_done))
 
+    def _backward_done(self, outputs: Iterable[Any]) -> None:
+        """backward() or autograd.grad() returned. Under "raise", while an
+        origin is undecided, the gradients it wrote into the open steps'
+        parameters are read: with NaN/inf there, the ops that follow are
+        watched until the step's next boundary, and the first that writes
+        into one of those parameters raises before it does
+        (param_writes.py): an update written by hand
+        (``p.data.add_(p.grad, alpha=-lr)``) is no optimizer's step. One
+        that writes none (a GradScaler skipping its step) runs on."""
+        if self.in_worker or self.watch.action != "raise" or self.guard is not None:
+            return
+        if self.watch.pending:
+            self.watch.flush()
+        if not self.open:
+            return
+        at = self._state_nonfinite(parameters=False)  # (backward writes none)
+        if at is None:
+            return
+        now = (self.opt_done, self.calls_done)
+        params = [p for ref in list(self.roots.values()) if ref() is not None
+                  for p in ref().parameters()]
+
+        def error(op: str) -> Optional[BaseException]:
+            try:
+                self._reached(f"{at}, which {op} was about to write into them", now)
+            except NonFiniteError as raised:
+                return raised
+            return None
+
+        self.guard = ParamWriteGuard(params, error)
+        self.guard.enter()
+
+    def leave_guard(self) -> None:
+        """Leaves the guard _backward_done entered, at a boundary of the step
+        and when the track stops (before the modes entered before it)."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.leave()
+
     def _optimizer_step(self, optimizer, before: bool) -> None:
         """Before and after an optimizer's step()."""
         if self.in_worker:
             return
+        self.leave_guard()
         if self.watch.pending:
             self.watch.flush()  # the ops before this point get the step they ran in
         self.opt_depth += 1 if before else -1
@@ -413,6 +482,12 @@ class StepTracker:
         finally:
             self.opt_done += 1
             self.roots = {}
+
+
+def _parameter_free(module: Optional[torch.nn.Module]) -> bool:
+    """Whether ``module`` (a top-level call's; None: a compiled graph's)
+    holds no parameters."""
+    return module is not None and next(module.parameters(), None) is None
 
 
 class _Occurrence:

@@ -78,8 +78,14 @@ class CompiledRegion:
                    bool(d.get("compiled_in_track")), tuple(d.get("unwatched", ())))
 
 
-def _compiled_functions() -> Dict[tuple, Tuple[str, str, int]]:
-    """{(compile id, start time): (function, file, first line)} of the
+_INDUCTOR_METRICS = ("inductor_compile_time_s", "inductor_cumulative_compile_time_us",
+                     "inductor_fx_local_cache_hit_count", "inductor_fx_local_cache_miss_count",
+                     "inductor_fx_remote_cache_hit_count", "inductor_fx_remote_cache_miss_count")
+
+
+def _compiled_functions() -> Dict[tuple, Tuple[str, str, int, bool]]:
+    """{(compile id, start time): (function, file, first line, whether
+    Inductor compiled it)} of the
     frames Dynamo compiled into guarded code, from its compilation metrics
     (empty where Dynamo is not imported). The start time keys them: compile
     ids start again from 0/0 after torch.compiler.reset()."""
@@ -99,7 +105,11 @@ def _compiled_functions() -> Dict[tuple, Tuple[str, str, int]]:
             continue  # the backward of a frame compiled before: the same region
         if m.co_name is not None:
             named.add(compile_id)
-        regions[(compile_id, m.start_time)] = (m.co_name, m.co_filename, m.co_firstlineno)
+        # (aot_eager and eager leave Inductor's times and cache counts unset or
+        # 0: their graphs dispatch every op; a cache hit has counts, no times)
+        inductor = any(getattr(m, name, None) for name in _INDUCTOR_METRICS)
+        regions[(compile_id, m.start_time)] = (m.co_name, m.co_filename, m.co_firstlineno,
+                                               inductor)
     return regions
 
 
@@ -140,8 +150,8 @@ class RegionWatch:
             _instrumented.update(compiled_here)
         regions = []
         for key in sorted(functions, key=lambda k: (k[1] or 0.0, _id_order(k[0]))):
-            function, file, line = functions[key]
-            missed = _unwatched(key, all_casts, nonfinite, health)
+            function, file, line, inductor = functions[key]
+            missed = _unwatched(key, all_casts, nonfinite and inductor, health)
             if missed and not _own_code(file):
                 regions.append(CompiledRegion(key[0], function, file, line, key in compiled_here,
                                               missed))

@@ -150,7 +150,10 @@ class WorkerSpool:
         label = f"worker {self.worker_id()}"
         for record in records:
             record["origin"] = f"{record['origin']} [{label}]"
-        text = json.dumps({"records": records, "nonfinite": origins, "propagated": propagated})
+        payload = {"records": records}
+        if report.nonfinite_tracked:  # (a track without nonfinite= has no such section)
+            payload.update(nonfinite=origins, propagated=propagated)
+        text = json.dumps(payload)
         if text == self.left:
             return  # delivered already (at an origin), perhaps to a track that has ended
         target = os.path.join(self.path, f"{os.getpid()}.json")
