@@ -204,29 +204,43 @@ def _makes_buffer(node: torch.fx.Node) -> bool:
 def _read_as_buffer(node: torch.fx.Node) -> bool:
     """Whether every reader of ``node``'s value reads it from a buffer: each
     user (through views) is an op Inductor runs as a kernel of its own, which
-    reads its inputs from memory, or the graph's output. A pointwise user
+    reads its inputs from memory, the graph's output, or a copy_ that
+    stores it into a buffer of its dtype (an input the graph mutates). A
+    pointwise user
     would compute it inline, in float32, without the rounding of its dtype
     (Inductor's emulate_precision_casts is off)."""
     for user in node.users:
         if user.op == "output" or _own_kernel(user):
             continue
+        if user.target is aten.copy_.default and user.args[1] is node and \
+                user.args[0].meta["val"].dtype == node.meta["val"].dtype:
+            continue  # stored, in its dtype, into copy_'s destination
         if _name(user) in _VIEWS and user.args[0] is node and _read_as_buffer(user):
             continue
         return False
     return bool(node.users)
 
 
-def _measurable(x: torch.fx.Node, y: Optional[torch.fx.Node], dtype: torch.dtype) -> bool:
-    """Whether the measuring call can read the cast's input (and for a
-    narrowing cast its result) without changing what Inductor computes: a
-    value it reads must be in a buffer already, or be of a dtype Inductor
-    stores exactly as it computes it; and a narrowing cast is one the
-    program makes only where its result is read from a buffer (elsewhere
-    Inductor fuses it away)."""
+def _measurable(node: torch.fx.Node, x: torch.fx.Node, y: Optional[torch.fx.Node],
+                dtype: torch.dtype) -> bool:
+    """Whether a call can measure the cast ``node`` of ``x`` to ``dtype``
+    (result ``y``; None for a copy) without changing what Inductor
+    computes, and the program rounds there. What the call reads must be in a
+    buffer already, or of a dtype a buffer holds exactly as Inductor
+    computes it (float32, float64). A narrowing cast's result ``y``, which
+    the call reads, must be read from a buffer by all its readers (else
+    Inductor fuses the cast away). A copy's result is not read (the call
+    measures from ``x``): it is measured where it is stored, into copy_'s
+    destination, an own kernel's input or the graph's output."""
     x_dtype = x.meta["val"].dtype
     if not (x_dtype in _EXACT or _makes_buffer(x)):
         return False
-    return _widening(x_dtype, dtype) or y is None or _read_as_buffer(y)
+    if _widening(x_dtype, dtype) or node.target is aten.copy_.default:
+        return True
+    if node.target is aten.copy.default:
+        return any(user.op == "output" or _own_kernel(user) or (
+            user.target is aten.copy_.default and user.args[1] is node) for user in node.users)
+    return y is not None and _read_as_buffer(y)
 
 
 def _widening(src: torch.dtype, dtype: torch.dtype) -> bool:
@@ -270,7 +284,7 @@ def instrument_casts(graph: torch.fx.Graph) -> int:
         stack = node.meta.get("fwd_nn_module_stack" if origin == "backward" else "nn_module_stack")
         where = (_module_path(stack), _frames_text(node.meta.get("stack_trace")), origin)
         x_val = x.meta["val"]
-        if _measurable(x, y, dtype):
+        if _measurable(node, x, y, dtype):
             call_args = (x, None if _widening(x_val.dtype, dtype) else y, dtype, *where)
             op = torch.ops.torchcast_track.compiled_cast.default
             count += 1
