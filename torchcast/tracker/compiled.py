@@ -14,6 +14,15 @@ from the cast's input and Inductor's result. The graph supplies what the
 dispatcher cannot know at run time: the module path inside the compiled
 module, the source lines (the node's recorded stack) and the origin.
 
+The call must not change what Inductor computes. Inductor does not round at
+a cast it fuses into the code around it (its emulate_precision_casts is
+off): a call that made it keep a cast's bfloat16 result, or a 16-bit input,
+in a buffer would round where the compiled program does not (issue 47). A
+cast is measured only where what the call reads is in a buffer anyway or is
+of a dtype a buffer holds exactly (``_measurable``); any other is recorded,
+counted and not measured, by ``compiled_cast_fused``, whose call reads no
+value of the graph (its only tensor is a graph input).
+
 The casts instrumented are the program's: nodes whose aten op was a cast
 (``_to_copy``, ``copy``/``copy_``, autocast's ``_to_copy``), not the
 up-casts Inductor's decompositions add inside an op (softmax on bfloat16
@@ -24,6 +33,7 @@ A graph compiled inside a track keeps its calls after the track (each finds
 no recorder and returns); a graph compiled outside any track has none, and
 its casts inside a later track are not seen (``warn_uninstrumented``).
 """
+import operator
 import os
 import sys
 import threading
@@ -34,15 +44,24 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from ..formats import FLOAT_RANK
+from .measure import MeasuredCast
 from .mode import CastPlace, active_recorders, report_cast
 from .modules import module_within
 from .sites import frames_from, site_of
 
 aten, prims = torch.ops.aten, torch.ops.prims
+# How a cast Inductor fuses into the code around it reads in a record's
+# origin: the program computes there without that rounding, so there is no
+# rounding to measure (and measuring it would need a buffer the plain code
+# does not have, which would round where the program does not).
+FUSED = "fused by inductor, not measured"
 
 _LIB = torch.library.Library("torchcast_track", "DEF")
 _LIB.define("compiled_cast(Tensor x, Tensor? y, ScalarType dtype, str module, str frames, "
             "str origin) -> ()")
+_LIB.define("compiled_cast_fused(Tensor anchor, ScalarType src_dtype, ScalarType dtype, "
+            "int numel, str module, str frames, str origin) -> ()")
 
 # The aten ops whose nodes are the program's casts (``original_aten`` of a
 # post-grad node names the op it came from; compared by name, as the object
@@ -133,30 +152,152 @@ def _cast_of(node: torch.fx.Node):
     return x, y, dtype, origin
 
 
+# Ops whose result passes on the storage of their input: a view of a
+# buffer is read from that buffer, a view of a value Inductor computes inline
+# is computed inline too.
+_VIEWS = frozenset(op.name() for op in (
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.select.int,
+    aten.slice.Tensor, aten.alias.default, aten.as_strided.default))
+_EXACT = (torch.float32, torch.float64)  # what Inductor computes in: stored exactly
+
+
+def _name(node: torch.fx.Node) -> str:
+    """The name of the op a node calls ("aten::permute"), or ""."""
+    name = getattr(node.target, "name", None)
+    return name() if callable(name) else ""
+
+
+def _own_kernel(node: torch.fx.Node) -> bool:
+    """Whether Inductor runs ``node``'s op as a kernel of its own (a
+    fallback to ATen, a matmul or convolution, attention) that reads its
+    inputs from buffers and writes its result to one."""
+    from torch._inductor import config
+    from torch._inductor.lowering import fallbacks, needs_realized_inputs
+    target = node.target
+    if target in needs_realized_inputs or target in fallbacks:
+        return True
+    # addmm and baddbmm realize their inputs (mm_args) unless Inductor
+    # writes the matmul itself (then the bias add is pointwise).
+    return target in (aten.addmm.default, aten.baddbmm.default) and \
+        not getattr(config.triton, "native_matmul", False)
+
+
+def _makes_buffer(node: torch.fx.Node) -> bool:
+    """Whether Inductor's code holds ``node``'s value in a buffer whatever
+    the tracker adds: a graph input, the result (or a view of the result) of
+    an op it runs as a kernel of its own (a matmul, attention, a fallback),
+    or a value the graph returns."""
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function":
+        return False
+    if any(user.op == "output" for user in node.users) or _own_kernel(node):
+        return True
+    if node.target is operator.getitem or _name(node) in _VIEWS:
+        source = node.args[0]
+        return isinstance(source, torch.fx.Node) and _makes_buffer(source)
+    return False
+
+
+def _read_as_buffer(node: torch.fx.Node) -> bool:
+    """Whether every reader of ``node``'s value reads it from a buffer: each
+    user (through views) is an op Inductor runs as a kernel of its own, which
+    reads its inputs from memory, the graph's output, or a copy_ that
+    stores it into a buffer of its dtype (an input the graph mutates). A
+    pointwise user
+    would compute it inline, in float32, without the rounding of its dtype
+    (Inductor's emulate_precision_casts is off)."""
+    for user in node.users:
+        if user.op == "output" or _own_kernel(user):
+            continue
+        if user.target is aten.copy_.default and user.args[1] is node and \
+                user.args[0].meta["val"].dtype == node.meta["val"].dtype:
+            continue  # stored, in its dtype, into copy_'s destination
+        if _name(user) in _VIEWS and user.args[0] is node and _read_as_buffer(user):
+            continue
+        return False
+    return bool(node.users)
+
+
+def _measurable(node: torch.fx.Node, x: torch.fx.Node, y: Optional[torch.fx.Node],
+                dtype: torch.dtype) -> bool:
+    """Whether a call can measure the cast ``node`` of ``x`` to ``dtype``
+    (result ``y``; None for a copy) without changing what Inductor
+    computes, and the program rounds there. What the call reads must be in a
+    buffer already, or of a dtype a buffer holds exactly as Inductor
+    computes it (float32, float64). A narrowing cast's result ``y``, which
+    the call reads, must be read from a buffer by all its readers (else
+    Inductor fuses the cast away). A copy's result is not read (the call
+    measures from ``x``): it is measured where it is stored, into copy_'s
+    destination, an own kernel's input or the graph's output."""
+    x_dtype = x.meta["val"].dtype
+    if not (x_dtype in _EXACT or _makes_buffer(x)):
+        return False
+    if _widening(x_dtype, dtype) or node.target is aten.copy_.default:
+        return True
+    if node.target is aten.copy.default:
+        return any(user.op == "output" or _own_kernel(user) or (
+            user.target is aten.copy_.default and user.args[1] is node) for user in node.users)
+    return y is not None and _read_as_buffer(y)
+
+
+def _widening(src: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether casting src to dtype is exact (a wider floating format): its
+    measure needs the input only."""
+    return src in FLOAT_RANK and FLOAT_RANK.get(dtype, 0) > FLOAT_RANK[src]
+
+
+def _anchor(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:
+    """A graph input tensor: the argument of a call that must read none of
+    the graph's values (an input is a buffer already; reading it changes
+    no kernel)."""
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+            return node
+    return None
+
+
 def instrument_casts(graph: torch.fx.Graph) -> int:
-    """Puts a ``torchcast_track::compiled_cast`` call after every cast node
-    of the program in ``graph`` (a post-grad graph).
+    """Puts after every cast node of the program in ``graph`` (a post-grad
+    graph) a ``torchcast_track::compiled_cast`` call that measures it, where
+    that leaves Inductor's code computing what it computed
+    (``_measurable``), else a ``compiled_cast_fused`` call that records the
+    site as fused by inductor, not measured. The generated kernels stay
+    those of the plain program: a call never makes Inductor keep a value in
+    a buffer whose dtype would round it where the plain code does not.
 
     Args:
         graph: the graph, changed in place.
 
     Returns:
-        How many casts were instrumented.
+        How many casts were measured.
     """
     count = 0
+    anchor = _anchor(graph)
     for node in list(graph.nodes):
         cast = _cast_of(node)
         if cast is None:
             continue
         x, y, dtype, origin = cast
         stack = node.meta.get("fwd_nn_module_stack" if origin == "backward" else "nn_module_stack")
+        where = (_module_path(stack), _frames_text(node.meta.get("stack_trace")), origin)
+        x_val = x.meta["val"]
+        if _measurable(node, x, y, dtype):
+            call_args = (x, None if _widening(x_val.dtype, dtype) else y, dtype, *where)
+            op = torch.ops.torchcast_track.compiled_cast.default
+            count += 1
+        elif anchor is not None:
+            numel = x_val.numel()
+            call_args = (anchor, x_val.dtype, dtype, numel if isinstance(numel, int) else -1,
+                         *where)
+            op = torch.ops.torchcast_track.compiled_cast_fused.default
+        else:
+            continue
         with graph.inserting_after(node):
-            call = graph.call_function(
-                torch.ops.torchcast_track.compiled_cast.default,
-                (x, y, dtype, _module_path(stack), _frames_text(node.meta.get("stack_trace")),
-                 origin))
+            call = graph.call_function(op, call_args)
         call.meta["val"] = None
-        count += 1
     return count
 
 
@@ -174,22 +315,39 @@ def _runtime_frames(frame):
             yield file, line
 
 
+def _place(module: str, frames: str, origin: str, caller) -> Optional[CastPlace]:
+    """Where a compiled cast was made: its module, and its site from the
+    graph's recorded stack (inside the compiled code), then the frames that
+    called it (``caller`` outwards), for a user line when the compiled code
+    is a library's; in backward, where backward was called, as in eager."""
+    node = torch._C._current_autograd_node() if origin == "backward" else None
+    static = () if origin == "backward" else _parse_frames(frames)
+    site = site_of(chain(static, _runtime_frames(caller)), skip_own=False)
+    return None if site is None else CastPlace(module_within(module, node), site, origin, None)
+
+
 def _compiled_cast(x, y, dtype, module, frames, origin):
     recorders = active_recorders()
-    if not recorders:
+    place = _place(module, frames, origin, sys._getframe(1)) if recorders else None
+    if place is not None:
+        report_cast(recorders, place, x, dtype, y)
+
+
+def _compiled_cast_fused(anchor, src_dtype, dtype, numel, module, frames, origin):
+    recorders = active_recorders()
+    place = _place(module, frames, origin, sys._getframe(1)) if recorders else None
+    if place is None:
         return
-    node = torch._C._current_autograd_node() if origin == "backward" else None
-    # Forward: the graph's recorded stack (inside the compiled code), then
-    # the frames that called it, for a user line when the compiled code is a
-    # library's. Backward: where backward was called, as in eager.
-    static = () if origin == "backward" else _parse_frames(frames)
-    site = site_of(chain(static, _runtime_frames(sys._getframe(1))), skip_own=False)
-    if site is None:
-        return
-    report_cast(recorders, CastPlace(module_within(module, node), site, origin, None), x, dtype, y)
+    site = place.site
+    key = (place.module, site.file, site.line, f"{origin} ({FUSED})", None, src_dtype, dtype,
+           site.via)
+    fused = MeasuredCast(src_dtype, dtype, max(numel, 0), measured=False)
+    for recorder in recorders:
+        recorder.add_cast(key, fused)
 
 
 _LIB.impl("compiled_cast", _compiled_cast, "CompositeExplicitAutograd")
+_LIB.impl("compiled_cast_fused", _compiled_cast_fused, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("torchcast_track::compiled_cast", lib=_LIB)
@@ -197,9 +355,15 @@ def _compiled_cast_fake(x, y, dtype, module, frames, origin):
     return None
 
 
-# An op that returns nothing: without this, dead-code elimination (FX's and
-# Inductor's scheduler) removes it.
+@torch.library.register_fake("torchcast_track::compiled_cast_fused", lib=_LIB)
+def _compiled_cast_fused_fake(anchor, src_dtype, dtype, numel, module, frames, origin):
+    return None
+
+
+# Ops that return nothing: without this, dead-code elimination (FX's and
+# Inductor's scheduler) removes them.
 torch.fx.node.has_side_effect(torch.ops.torchcast_track.compiled_cast.default)
+torch.fx.node.has_side_effect(torch.ops.torchcast_track.compiled_cast_fused.default)
 
 
 class _Installed:
