@@ -136,6 +136,7 @@ def test_ddp_two_processes_match_one(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp2_two_processes_match_one(tmp_path):
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401

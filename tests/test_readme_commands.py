@@ -54,8 +54,10 @@ def test_readme_shows_tracker_commands():
     assert len(COMMANDS) >= 2 and all("train.py" in c for c in COMMANDS)
 
 
-@pytest.mark.parametrize("command", COMMANDS[:1] + [
-    pytest.param(c, marks=pytest.mark.slow) for c in COMMANDS[1:]])
+# pytest -q runs the commands that stop on NaN/inf (the tracker's most
+# features at once), the slow stage the others.
+@pytest.mark.parametrize("command", [
+    pytest.param(c, marks=() if "--nonfinite" in c else pytest.mark.slow) for c in COMMANDS])
 def test_a_readme_command_on_a_compiled_autocast_script(command, tmp_path):
     (tmp_path / "train.py").write_text(TRAIN.format(here=HERE))
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -102,6 +102,8 @@ def accuracy_report():
     return rows
 
 
+# One worker computes the 2^24-element report (math.fsum of each data set) for both.
+@pytest.mark.xdist_group("reduce-accuracy-2-24")
 def test_accuracy_against_fsum(accuracy_report):
     n_chain = chain_length(N)
     for r in accuracy_report:
@@ -120,6 +122,7 @@ def test_accuracy_against_fsum(accuracy_report):
                                   for r in well)
 
 
+@pytest.mark.xdist_group("reduce-accuracy-2-24")
 def test_beats_float32_sum_on_adversarial_data(accuracy_report):
     for r in accuracy_report:
         if r["name"].startswith(("alternating", "cancelling")):
