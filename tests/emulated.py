@@ -46,9 +46,11 @@ KERNEL_FLAGS = NUMERICS + [
 HOOKS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
 ASAN = ["-fsanitize=address", "-fno-omit-frame-pointer"]
 # Every emulated case under AddressSanitizer (the CI stage's command).
+# -v --capture=sys: the case's name is printed before it runs, and ASan's
+# report, which aborts the process, reaches stderr instead of pytest's capture.
 ASAN_COMMAND = ("TORCHCAST_EMULATED_ASAN=1 LD_PRELOAD=$(g++ -print-file-name=libasan.so) "
-                "ASAN_OPTIONS=detect_leaks=0 python -m pytest -q -p no:cacheprovider "
-                "tests/test_cuda_emulated.py -k 'test_kernel_matches_cpu_op or selftest'")
+                "ASAN_OPTIONS=detect_leaks=0 python -m pytest -v --capture=sys "
+                "-p no:cacheprovider tests/test_cuda_emulated.py")
 
 
 def asan_requested() -> bool:

@@ -132,16 +132,18 @@ def run_tests(scratch: Path, seed: int, kernels: str = "", asan: bool = False) -
                                  capture_output=True, text=True).stdout.strip()
         env.update(TORCHCAST_EMULATED_ASAN="1", LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-         "tests/test_cuda_emulated.py", "-k", select],
+        [sys.executable, "-m", "pytest", *(["-v", "--capture=sys"] if asan else ["-q"]), "-rfE",
+         "-p", "no:cacheprovider", "tests/test_cuda_emulated.py", "-k", select],
         cwd=scratch, capture_output=True, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     failed = [re.sub(r"^(FAILED|ERROR) ", "", ln) for ln in lines
               if ln.startswith(("FAILED ", "ERROR "))]
     summary = lines[-1] if lines else "no summary"
-    if asan and "AddressSanitizer" in proc.stderr:
+    if asan and "ERROR: AddressSanitizer" in proc.stderr:
         report = next(ln for ln in proc.stderr.splitlines() if "ERROR: AddressSanitizer" in ln)
-        summary = f"the process aborted: {re.sub(r'^=+[0-9]+=+', '', report).strip()[:120]}"
+        case = re.findall(r"::(test_kernel_matches_cpu_op\[\S+\])", proc.stdout)
+        summary = (f"the process aborted: {re.sub(r'^=+[0-9]+=+ERROR: ', '', report)[:60]} in "
+                   f"{case[-1] if case else '?'}")
     elif "error: conversion" in proc.stdout + proc.stderr:
         summary += "; the build failed: `conversion ... may change value [-Werror=conversion]`"
     elif failed:
