@@ -163,7 +163,8 @@ def main() -> int:
                         help="the schedule seed of every run (default: drawn)")
     parser.add_argument("--seeds", type=int, default=5,
                         help="seeds per mutation: --seed, --seed + 1, ... (default 5)")
-    parser.add_argument("--only", help="the letters of the mutations to run, e.g. 'ek' (default: all)")
+    parser.add_argument("--only", help="the letters of the mutations to run, e.g. 'ek' "
+                        "(default: all)")
     parser.add_argument("--scratch", type=Path, help="the scratch tree (default: a temporary one, "
                         "removed at the end; one given is kept, with its build)")
     args = parser.parse_args()

@@ -14,11 +14,12 @@
 // grid.cpp's. The scheduler picks uniformly among the runnable threads, or
 // by random priorities of warps or of threads with random change points
 // (PCT), drawn anew at half the barriers: one warp or thread runs far
-// ahead, to its next barrier and past it. So a read that a missing __syncthreads leaves unordered, a
-// read-modify-write of a counter that is not atomic, within a block or
-// across blocks, interleaves as it may on a GPU, and the result is wrong or
-// varies with the seed instead of passing by luck. An aligned load or store
-// (a vector packet) at a misaligned address is reported, naming the kernel.
+// ahead, to its next barrier and past it. So a read that a missing
+// __syncthreads leaves unordered, a read-modify-write of a counter that is
+// not atomic, within a block or across blocks, interleaves as it may on a
+// GPU, and the result is wrong or varies with the seed instead of passing
+// by luck. An aligned load or store (a vector packet) at a misaligned
+// address is reported, naming the kernel.
 //
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim; __syncthreads (all
 // of the block's threads must arrive: a thread that exited, or a barrier in
