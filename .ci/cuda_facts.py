@@ -17,8 +17,13 @@ lines in the SASS; it does not change the code) and --keep, and per kernel:
     exact error, fma(a, b, -a*b), or is an fma the source calls (fmaf, fma,
     adam_common.h's tc_fma: the Adam step fuses where ATen's CPU kernels do,
     and the CPU kernels call the same fma);
-  - no floating-point atomics (RED/ATOM on F16, BF16, F32, F64): every
-    kernel's results promise to be deterministic.
+  - no floating-point atomics: every kernel's results promise to be
+    deterministic. Those the hardware has (RED, REDG, ATOM, ATOMG, ATOMS on
+    F16, BF16, F32, F64: sm_90 writes REDG.E.ADD.F32 where the result is
+    unused), and the compare-and-swap loops the compiler writes for those it
+    lacks (a float add on shared memory: ATOMS.CAST.SPIN after an FADD),
+    told from the same loops for 64-bit integers by the float arithmetic in
+    the loop.
 With --from-build LOG, the files the build compiled are not compiled again:
 the build ran with TORCHCAST_NVCC_FLAGS="--resource-usage -lineinfo --keep
 --keep-dir OUT_DIR/build" (.ci/cuda_stage.sh), LOG is its output, and each
@@ -27,7 +32,9 @@ a command's output under it); a file ninja found up to date is compiled
 again as above.
 --control also compiles adam.cu with --fmad=true and requires the PTX check
 to find contractible lines there and the SASS check fused multiply-adds in
-most of its kernels: the check can fail.
+most of its kernels, and compiles kernels with planted float atomics (a
+global atomicAdd whose result is unused, one on shared memory) with the
+build's flags and requires each to be found: the checks can fail.
 
     python .ci/cuda_facts.py BUILD_TEMP_DIR OUT_DIR [--from-build LOG] [--control] [--jobs N]
 
@@ -55,7 +62,24 @@ WINDOW = 40
 # not per element), whatever the register limit. docs/cuda.md lists them.
 SPILL_ALLOWANCE = {"cast_stats_kernel": 16}
 FMA_OPS = ("FFMA", "DFMA", "HFMA2")
-FLOAT_ATOMIC = re.compile(r"^(RED|ATOM|ATOMS|ATOMG)\.\S*\b(F16|F16x2|BF16|BF16_V2|F32|F64|FTZ)\b")
+FLOAT_ATOMIC = re.compile(r"^(RED|REDG|REDS|ATOM|ATOMG|ATOMS)\.\S*"
+                          r"\b(F16x2|F16|BF16_V2|BF16x2|BF16|F32x2|F32|F64|FTZ)\b")
+# A compare-and-swap that closes a loop (its branch back within a few
+# instructions), and the float arithmetic that makes that loop a float atomic.
+CAS = re.compile(r"^(ATOMS|ATOMG|ATOM)\.(CAST\.SPIN|CAS)\b")
+FLOAT_ARITH = re.compile(r"^(FADD|DADD|HADD2|FMUL|DMUL|HMUL2|FMNMX|DMNMX|HMNMX2|FFMA|DFMA|HFMA2)\b")
+# Kernels with float atomics, for --control.
+PLANTED_ATOMICS = """
+__global__ void torchcast_planted_global_atomic(float* out, float v) { atomicAdd(out, v); }
+__global__ void torchcast_planted_shared_atomic(float* out, float v) {
+  __shared__ float sum;
+  if (threadIdx.x == 0) sum = 0;
+  __syncthreads();
+  atomicAdd(&sum, v);
+  __syncthreads();
+  if (threadIdx.x == 0) *out = sum;
+}
+"""
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 REGISTER = re.compile(r"(?<![\w.])[-|!]*R(\d+)\b")
 # A source line that asks for a fused multiply-add by name.
@@ -93,6 +117,8 @@ def compile_kept(stem, command, obj, out, extra=""):
     keep = out / stem
     keep.mkdir(parents=True, exist_ok=True)
     command = command.replace(obj, str(keep / f"{stem}.o"))
+    # The flags a --from-build build carries (TORCHCAST_NVCC_FLAGS) give way to these.
+    command = re.sub(r" (--keep-dir[ =]\S+|--keep|--resource-usage|-lineinfo)(?=\s|$)", "", command)
     flags = f"--resource-usage -lineinfo --keep --keep-dir {keep} {extra}"
     proc = subprocess.run(["bash", "-c", f"{command} {flags}"],
                           capture_output=True, text=True)
@@ -148,8 +174,12 @@ class Instruction:
 def sass_functions(cubin):
     """{kernel: [Instruction]} from nvdisasm -g (the SASS with the source
     line of each instruction: the build for these facts adds -lineinfo)."""
-    text = subprocess.run([tool("nvdisasm"), "-g", "-c", str(cubin)], check=True,
-                          capture_output=True, text=True).stdout
+    return parse_sass(subprocess.run([tool("nvdisasm"), "-g", "-c", str(cubin)], check=True,
+                                     capture_output=True, text=True).stdout)
+
+
+def parse_sass(text):
+    """{kernel: [Instruction]} of nvdisasm -g -c's text."""
     functions, name, line, subroutine, label = {}, None, None, None, None
     for raw in text.splitlines():
         m = re.match(r"\.text\.(\S+):", raw)
@@ -268,6 +298,33 @@ def fma_census(instructions):
     return refining, exact_error, explicit, other
 
 
+def loop_of(instructions, k):
+    """The instructions of the loop that instructions[k] closes: from the
+    label its branch back (within 4 after it) targets, to it; else the 4
+    before it."""
+    for after in instructions[k + 1:k + 5]:
+        m = re.match(r"BRA\s+`?\(?([.\w$]+)", after.text)
+        if m:
+            starts = [j for j in range(k, -1, -1) if instructions[j].label == m.group(1)]
+            if starts:
+                return instructions[starts[0]:k + 1]
+            break
+    return instructions[max(0, k - 4):k + 1]
+
+
+def float_atomics(instructions):
+    """The mnemonics of the floating-point atomics among instructions: the
+    hardware's, and compare-and-swap loops around float arithmetic."""
+    found = set()
+    for k, i in enumerate(instructions):
+        op = i.text.split(" ")[0]
+        if FLOAT_ATOMIC.match(i.text):
+            found.add(op)
+        elif CAS.match(i.text) and any(FLOAT_ARITH.match(j.text) for j in loop_of(instructions, k)):
+            found.add(f"{op} loop")
+    return sorted(found)
+
+
 def template_name(mangled):
     demangled = subprocess.run(["c++filt", mangled], capture_output=True, text=True).stdout.strip()
     demangled = demangled.replace("(anonymous namespace)::", "")
@@ -283,7 +340,7 @@ def check_file(stem, text, keep):
     for name, instructions in sass_functions(keep / f"{stem}.cubin").items():
         regs, stack, spill_st, spill_ld = usage.get(name, (None, 0, 0, 0))
         refining, exact_error, explicit, other = fma_census(instructions)
-        atomics = sorted({i.text.split(" ")[0] for i in instructions if FLOAT_ATOMIC.match(i.text)})
+        atomics = float_atomics(instructions)
         kernel = template_name(name)
         if max(spill_st, spill_ld) > SPILL_ALLOWANCE.get(kernel, 0):
             failures.append(f"{kernel}: {spill_st} bytes spill stores, {spill_ld} loads, more than "
@@ -323,7 +380,8 @@ def main():
     parser.add_argument("build", type=Path, help="the build's temp directory (build.ninja)")
     parser.add_argument("out", type=Path, help="where the kept PTX and cubins go")
     parser.add_argument("--control", action="store_true",
-                        help="also check that a --fmad=true compile of adam.cu fails the check")
+                        help="also check that a --fmad=true compile of adam.cu, and planted "
+                        "float atomics, fail the checks")
     parser.add_argument("--from-build", type=Path, metavar="LOG",
                         help="the build's output; it kept its PTX and cubins in OUT/build")
     parser.add_argument("--jobs", type=int, default=2)
@@ -346,6 +404,13 @@ def main():
             control = pool.submit(compile_kept, "adam",
                                   command.replace("--fmad=false", "--fmad=true"), obj,
                                   args.out / "control")
+            planted = args.out / "control" / "planted_atomics.cu"
+            planted.parent.mkdir(parents=True, exist_ok=True)
+            planted.write_text(PLANTED_ATOMICS)
+            source = re.search(r" -c (\S+) -o ", command).group(1)
+            control_atomics = pool.submit(compile_kept, "planted_atomics",
+                                          command.replace(f" -c {source} ", f" -c {planted} "),
+                                          obj, args.out / "control")
     rows, failures = [], []
     for (stem, _, _), (text, keep) in zip(commands, compiled):
         r, f = check_file(stem, text, keep)
@@ -368,6 +433,15 @@ def main():
                   f"contractible PTX lines ({len(in_ptx)} shown), and fused multiply-adds in the "
                   f"SASS of {len(in_sass)} of {len(control_rows)} kernels (in the others every "
                   "contraction sits on a line with a division or square root)")
+        _, caught = check_file("planted_atomics", *control_atomics.result())
+        missed = [k for k in ("torchcast_planted_global_atomic", "torchcast_planted_shared_atomic")
+                  if not any(k in f and "floating-point atomics" in f for f in caught)]
+        if missed:
+            failures.append(f"control: the float atomics planted in {', '.join(missed)} were not "
+                            "found")
+        else:
+            print("control: the planted float atomics fail the check, as they must: "
+                  + "; ".join(f for f in caught if "floating-point atomics" in f))
     for f in failures:
         print(f"cuda facts: FAILED: {f}", file=sys.stderr)
     return 1 if failures else 0

@@ -15,8 +15,10 @@ A Device names where the kernels run: `device.op(name)` is the op whose
 kernel runs there, `device.to(x)` a CPU tensor's data and layout there.
 Each case carries the multiprocessor count the emulated device reports (its
 grid sizes follow it) and the work units its first launch strides over
-(`units`, `per_block`): the emulated tests check that the grid-stride loop
-wraps, units > grid * per_block."""
+(`units`, `per_block`), and those of its finishing launch (`finish_units`,
+a block each): the emulated tests check that the grid-stride loops wrap,
+units > grid * per_block. Only cases named "specials" may expect mostly
+NaN or infinite results (tests/test_kernel_cases.py)."""
 from __future__ import annotations
 
 import math
@@ -69,6 +71,7 @@ class Case:
     multiprocessors: int = 2
     units: int = 0      # work units of the first launch's grid-stride loop (0: none)
     per_block: int = 1  # units a block takes per turn of it
+    finish_units: int = 0  # outputs of the last launch's grid-stride loop, a block each
 
 
 def mixed(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -192,9 +195,14 @@ def check_cast(case: Case, device: Device) -> None:
 # finishing kernel over each output's segment partials.
 
 def spread(shape, dtype, seed=0, specials=False):
-    """reduce_common.spread_sample; with specials, a NaN, +-inf, +-0 and two
-    subnormals at random places."""
-    x = spread_sample(shape, dtype, seed)
+    """reduce_common.spread_sample (float16: scaled by 2^-16, to 2^-36 ..
+    2^3, so that no value and no sum of millions overflows it: its 2^19
+    would make most sums NaN, which matches NaN and checks nothing); with
+    specials, a NaN, +-inf, +-0 and two subnormals at random places."""
+    if dtype == torch.float16:
+        x = (spread_sample(shape, torch.float64, seed) * 2.0 ** -16).to(dtype)
+    else:
+        x = spread_sample(shape, dtype, seed)
     if specials:
         g = torch.Generator().manual_seed(seed)
         tiny = torch.finfo(dtype).smallest_normal
@@ -206,10 +214,10 @@ def spread(shape, dtype, seed=0, specials=False):
 
 
 def _reduce_case(id, make_x, dim=None, keepdim=False, dtype=None, mean=False, multiprocessors=1,
-                 units=0, per_block=1):
+                 units=0, per_block=1, finish_units=0):
     def make():
         return dict(x=make_x(), dim=dim, keepdim=keepdim, dtype=dtype, mean=mean)
-    return Case(id, make, multiprocessors, units, per_block)
+    return Case(id, make, multiprocessors, units, per_block, finish_units)
 
 
 _F32, _F16, _BF16, _F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -246,6 +254,12 @@ REDUCE_CASES = [
                  lambda: spread((1, 50), _BF16, 12).expand(3000, 50), dim=[0]),
     _reduce_case("one-lane-specials-f32", lambda: spread((300, 70), _F32, 13, specials=True),
                  dim=[0], dtype=_F16),
+    # finish_kernel's grid-stride loop wraps: 40 and 20 outputs of two
+    # segments each, finished on 16 blocks.
+    _reduce_case("one-lane-segments-finish-wraps-f16", lambda: spread((CHUNK + 40, 40), _F16, 14),
+                 dim=[0], finish_units=40),
+    _reduce_case("warp-lanes-segments-finish-wraps-f32",
+                 lambda: spread((20, CHUNK + 300), _F32, 15), dim=[1], finish_units=20),
 ]
 
 

@@ -6,17 +6,25 @@
 // without that instrumentation (tests/emulated.py).
 #include "grid.h"
 
+#include <cxxabi.h>
+#include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
 
-#include <atomic>
+#include <algorithm>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace torchcast {
@@ -103,10 +111,17 @@ void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc);
 #endif
 
 enum class Waits { kNothing, kBarrier, kWarp, kExited };
-enum class Collective { kShuffleDown, kMatchAny };
+enum class Collective { kShuffleDown, kShuffle, kMatchAny, kBallot, kSyncWarp };
 
 const char* name_of(Collective c) {
-  return c == Collective::kShuffleDown ? "__shfl_down_sync" : "__match_any_sync";
+  switch (c) {
+    case Collective::kShuffleDown: return "__shfl_down_sync";
+    case Collective::kShuffle: return "__shfl_sync";
+    case Collective::kMatchAny: return "__match_any_sync";
+    case Collective::kBallot: return "__ballot_sync";
+    case Collective::kSyncWarp: return "__syncwarp";
+  }
+  return "?";
 }
 
 struct Fiber {
@@ -115,6 +130,7 @@ struct Fiber {
   char* stack_hi = nullptr;
   uint3 thread{0, 0, 0};
   int lane = 0, warp = 0;
+  size_t unit = 0;  // whose priority it runs at: its warp's or its own
   Waits waits = Waits::kNothing;
   uint64_t result = 0;  // of the last warp collective
 };
@@ -125,7 +141,7 @@ struct WarpCall {
   Collective kind = Collective::kShuffleDown;
   unsigned mask = 0, arrived = 0;
   uint64_t bits[kWarpSize] = {};
-  unsigned delta[kWarpSize] = {};
+  int arg[kWarpSize] = {};  // the delta or source lane
   int width[kWarpSize] = {};
 };
 
@@ -151,21 +167,68 @@ class Stacks {
   size_t count_ = 0;
 };
 
+// The kernel's name, for errors: its symbol in the ELF symbol table of the
+// library that holds it (the kernels have internal linkage, so dladdr does
+// not know them), demangled.
+std::string kernel_name(const void* kernel) {
+  Dl_info info;
+  if (dladdr(kernel, &info) == 0 || info.dli_fname == nullptr) return "an unknown kernel";
+  const int fd = open(info.dli_fname, O_RDONLY);
+  if (fd < 0) return "a kernel of " + std::string(info.dli_fname);
+  struct stat st;
+  std::string name;
+  if (fstat(fd, &st) == 0) {
+    void* map = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map != MAP_FAILED) {
+      const auto* bytes = static_cast<const char*>(map);
+      const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(bytes);
+      const auto* sh = reinterpret_cast<const Elf64_Shdr*>(bytes + eh->e_shoff);
+      const uintptr_t offset =
+          reinterpret_cast<uintptr_t>(kernel) - reinterpret_cast<uintptr_t>(info.dli_fbase);
+      for (int i = 0; i < eh->e_shnum && name.empty(); ++i) {
+        if (sh[i].sh_type != SHT_SYMTAB) continue;
+        const auto* syms = reinterpret_cast<const Elf64_Sym*>(bytes + sh[i].sh_offset);
+        const char* strings = bytes + sh[sh[i].sh_link].sh_offset;
+        for (size_t k = 0; k < sh[i].sh_size / sizeof(Elf64_Sym); ++k) {
+          if (ELF64_ST_TYPE(syms[k].st_info) == STT_FUNC && syms[k].st_value == offset) {
+            name = strings + syms[k].st_name;
+            break;
+          }
+        }
+      }
+      munmap(map, static_cast<size_t>(st.st_size));
+    }
+  }
+  close(fd);
+  if (name.empty()) return "a kernel of " + std::string(info.dli_fname);
+  int status = 0;
+  char* plain = abi::__cxa_demangle(name.c_str(), nullptr, nullptr, &status);
+  if (plain != nullptr) {
+    name = plain;
+    free(plain);
+  }
+  return name;
+}
+
+class Launch;
+
 // One block in flight: its threads and the scheduler that runs them.
 class Block {
  public:
-  Block(dim3 grid, dim3 block, uint3 index, Random& random, Stacks& stacks,
-        void (*thread_main)(void*), void* context);
-  void run();
+  Block(Launch& launch, uint3 index, int slot);
+  // Runs the block to its end; false if the launch stopped it (another
+  // block failed). Throws what went wrong in it.
+  bool run();
 
   uint3 index;
   dim3 grid_dim, block_dim;
-  std::atomic<Fiber*> current{nullptr};
+  Fiber* current = nullptr;
 
   void yield();
   void barrier();
-  uint64_t warp_call(Collective kind, unsigned mask, uint64_t bits, unsigned delta, int width);
+  uint64_t warp_call(Collective kind, unsigned mask, uint64_t bits, int arg, int width);
   void maybe_yield();
+  [[noreturn]] void fail(const std::string& what);
 
  private:
   static void trampoline();
@@ -173,58 +236,171 @@ class Block {
     f.waits = Waits::kNothing;
     runnable_.push_back(&f);
   }
-  void park() {
-    Fiber* f = current.load(std::memory_order_relaxed);
-    switch_context(f->context, scheduler_);
-  }
-  [[noreturn]] void fail(const std::string& what);
+  void park() { switch_context(current->context, scheduler_); }
+  Fiber* pick();
+  void draw_priorities();
   std::string deadlock() const;
 
+  Launch& launch_;
   Random& random_;
-  void (*thread_main_)(void*);
-  void* context_;
+  int slot_;
   std::vector<Fiber> fibers_;
   std::vector<Fiber*> runnable_;
   std::vector<WarpCall> warps_;
   Context scheduler_;
   int at_barrier_ = 0, exited_ = 0;
-  uint64_t countdown_ = 1;
+  uint64_t countdown_ = 1, mean_gap_ = kMeanGap;
+  Policy policy_ = Policy::kUniform;
+  std::vector<uint64_t> priority_;  // by unit (warp or thread)
+  uint64_t lowest_ = uint64_t{1} << 62;  // below every drawn priority, and falling
+  uint64_t change_gap_ = 0;  // mean picks between change points
   std::string error_;
 };
 
-std::mutex launch_mutex;           // one launch at a time, so one block in flight
-std::atomic<Block*> active{nullptr};
+// The block the calling OS thread runs, if any.
+thread_local Block* active = nullptr;
+
+std::mutex launch_mutex;  // one launch at a time
 Settings current_settings;
 uint64_t launch_count = 0;
 std::vector<LaunchRecord> launch_log;
+Stacks slot_stacks[kMaxResident];  // a slot's blocks' fibers
 
-Block::Block(dim3 grid, dim3 block, uint3 index_, Random& random, Stacks& stacks,
-             void (*thread_main)(void*), void* context)
-    : index(index_), grid_dim(grid), block_dim(block), random_(random),
-      thread_main_(thread_main), context_(context) {
+// A launch: its blocks in a shuffled order, `resident` of them at once, each
+// slot an OS thread; one thread runs at a time (it holds the turn) and hands
+// it to another at random points (maybe_hand_over) or when its slot runs out
+// of blocks.
+class Launch {
+ public:
+  Launch(dim3 grid, dim3 block, const void* kernel, void (*thread_main)(void*), void* context,
+         const Settings& s, uint64_t stream)
+      : grid(grid), block(block), thread_main(thread_main), context(context),
+        policy(s.policy), random{s.seed ^ (0x5851f42d4c957f2dull * stream)}, kernel_(kernel) {
+    const unsigned n = grid.x * grid.y * grid.z;
+    order_.resize(n);
+    for (unsigned i = 0; i < n; ++i) order_[i] = i;
+    for (unsigned i = n; i > 1; --i) std::swap(order_[i - 1], order_[random.below(i)]);
+    slots_ = static_cast<int>(std::min<unsigned>(n, static_cast<unsigned>(s.resident)));
+    slots_ = std::max(1, std::min(slots_, kMaxResident));
+    live_ = slots_;
+    done_.assign(slots_, false);
+  }
+
+  void run() {
+    std::vector<std::thread> threads;
+    for (int s = 1; s < slots_; ++s) threads.emplace_back([this, s] { serve(s); });
+    serve(0);
+    for (std::thread& t : threads) t.join();
+    if (!error_.empty()) throw std::runtime_error(error_);
+  }
+
+  // At a pick of a block's scheduler: maybe hands the turn to another slot
+  // (about one pick in kHandOverGap) and waits for it back. False if the
+  // launch has stopped.
+  bool maybe_hand_over(int slot) {
+    if (live_ > 1 && random.below(kHandOverGap) == 0) hand_over(slot, true);
+    return !stop_;
+  }
+
+  const dim3 grid, block;
+  void (*const thread_main)(void*);
+  void* const context;
+  const Policy policy;
+  Random random;
+
+ private:
+  // Mean picks of a block's scheduler between two hand-overs.
+  static constexpr uint64_t kHandOverGap = 64;
+
+  void serve(int slot) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      turn_changed_.wait(lock, [&] { return turn_ == slot; });
+    }
+    while (!stop_ && next_ < order_.size()) {
+      const unsigned i = order_[next_++];
+      const uint3 index{i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
+      try {
+        Block b(*this, index, slot);
+        active = &b;
+        b.run();
+        active = nullptr;
+      } catch (const std::exception& e) {
+        active = nullptr;
+        error_ = "torchcast emulated grid: kernel " + kernel_name(kernel_) + ": " + e.what();
+        stop_ = true;
+      }
+    }
+    done_[slot] = true;
+    --live_;
+    if (live_ > 0) hand_over(slot, false);
+  }
+
+  // Gives the turn to another live slot, drawn; waits for it back if asked.
+  void hand_over(int slot, bool wait) {
+    int k = static_cast<int>(random.below(static_cast<uint64_t>(live_ - (done_[slot] ? 0 : 1))));
+    int to = 0;
+    for (;; ++to) {
+      if (to == slot || done_[to]) continue;
+      if (k-- == 0) break;
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    turn_ = to;
+    turn_changed_.notify_all();
+    if (wait) turn_changed_.wait(lock, [&] { return turn_ == slot; });
+  }
+
+  const void* kernel_;
+  std::vector<unsigned> order_;
+  size_t next_ = 0;
+  int slots_ = 1, live_ = 1;
+  std::vector<bool> done_;
+  bool stop_ = false;
+  std::string error_;
+  std::mutex mutex_;
+  std::condition_variable turn_changed_;
+  int turn_ = 0;
+};
+
+Block::Block(Launch& launch, uint3 index_, int slot)
+    : index(index_), grid_dim(launch.grid), block_dim(launch.block), launch_(launch),
+      random_(launch.random), slot_(slot) {
+  const dim3 block = launch.block;
   const size_t n = static_cast<size_t>(block.x) * block.y * block.z;
-  stacks.reserve(n);
+  slot_stacks[slot].reserve(n);
   fibers_.resize(n);
   warps_.resize((n + kWarpSize - 1) / kWarpSize);
+  policy_ = launch.policy;
+  if (policy_ == Policy::kMixed) policy_ = static_cast<Policy>(1 + random_.below(3));
+  if (policy_ != Policy::kUniform) {
+    priority_.resize(policy_ == Policy::kWarps ? warps_.size() : n);
+    draw_priorities();
+    // Change points: none, or rare enough that the one ahead mostly reaches
+    // its barrier, sometimes overtaken on the way.
+    const uint64_t gaps[] = {0, 8192, 1024};
+    change_gap_ = gaps[random_.below(3)];
+  }
+  mean_gap_ = random_.below(4) == 0 ? 2 : kMeanGap;  // sometimes a switch at almost every access
   for (size_t i = 0; i < n; ++i) {
     Fiber& f = fibers_[i];
     const unsigned t = static_cast<unsigned>(i);
     f.thread = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
     f.lane = static_cast<int>(i % kWarpSize);
     f.warp = static_cast<int>(i / kWarpSize);
-    f.stack_lo = stacks.lo(i);
+    f.unit = policy_ == Policy::kWarps ? static_cast<size_t>(f.warp) : i;
+    f.stack_lo = slot_stacks[slot].lo(i);
     f.stack_hi = f.stack_lo + kStackBytes;
     start_context(f.context, f.stack_lo, kStackBytes, &Block::trampoline);
     runnable_.push_back(&f);
   }
-  countdown_ = 1 + random_.below(2 * kMeanGap);
+  countdown_ = 1 + random_.below(2 * mean_gap_);
 }
 
 void Block::trampoline() {
-  Block* b = active.load(std::memory_order_relaxed);
-  Fiber* f = b->current.load(std::memory_order_relaxed);
+  Block* b = active;
+  Fiber* f = b->current;
   try {
-    b->thread_main_(b->context_);
+    b->launch_.thread_main(b->launch_.context);
   } catch (const std::exception& e) {
     b->error_ = std::string("a thread threw: ") + e.what();
   }
@@ -234,26 +410,44 @@ void Block::trampoline() {
   __builtin_unreachable();
 }
 
-void Block::run() {
+// The next thread to run, taken out of runnable_: uniformly drawn, or the
+// one of the highest priority (ties: the first).
+Fiber* Block::pick() {
+  size_t k = 0;
+  if (policy_ == Policy::kUniform) {
+    k = random_.below(runnable_.size());
+  } else {
+    for (size_t i = 1; i < runnable_.size(); ++i) {
+      if (priority_[runnable_[i]->unit] > priority_[runnable_[k]->unit]) k = i;
+    }
+  }
+  Fiber* f = runnable_[k];
+  runnable_[k] = runnable_.back();
+  runnable_.pop_back();
+  return f;
+}
+
+bool Block::run() {
   while (!runnable_.empty() && error_.empty()) {
-    const size_t k = random_.below(runnable_.size());
-    Fiber* f = runnable_[k];
-    runnable_[k] = runnable_.back();
-    runnable_.pop_back();
-    current.store(f, std::memory_order_relaxed);
-    switch_context(scheduler_, f->context);
-    current.store(nullptr, std::memory_order_relaxed);
+    if (!launch_.maybe_hand_over(slot_)) return false;
+    active = this;
+    current = pick();
+    switch_context(scheduler_, current->context);
+    if (change_gap_ != 0 && random_.below(change_gap_) == 0) {
+      priority_[current->unit] = --lowest_;  // a change point: it falls behind all others
+    }
+    current = nullptr;
   }
   if (error_.empty() && exited_ != static_cast<int>(fibers_.size())) error_ = deadlock();
   if (!error_.empty()) {
     auto str = [](unsigned x, unsigned y, unsigned z) {
       return "(" + std::to_string(x) + ", " + std::to_string(y) + ", " + std::to_string(z) + ")";
     };
-    throw std::runtime_error("torchcast emulated grid: block " + str(index.x, index.y, index.z) +
-                             " of a launch of " + str(grid_dim.x, grid_dim.y, grid_dim.z) +
-                             " blocks of " + str(block_dim.x, block_dim.y, block_dim.z) +
-                             " threads: " + error_);
+    throw std::runtime_error("block " + str(index.x, index.y, index.z) + " of a launch of " +
+                             str(grid_dim.x, grid_dim.y, grid_dim.z) + " blocks of " +
+                             str(block_dim.x, block_dim.y, block_dim.z) + " threads: " + error_);
   }
+  return true;
 }
 
 std::string Block::deadlock() const {
@@ -278,18 +472,18 @@ void Block::fail(const std::string& what) {
 }
 
 void Block::yield() {
-  runnable_.push_back(current.load(std::memory_order_relaxed));
+  runnable_.push_back(current);
   park();
 }
 
 void Block::maybe_yield() {
   if (--countdown_ != 0) return;
-  countdown_ = 1 + random_.below(2 * kMeanGap);
+  countdown_ = 1 + random_.below(2 * mean_gap_);
   yield();
 }
 
 void Block::barrier() {
-  Fiber* f = current.load(std::memory_order_relaxed);
+  Fiber* f = current;
   f->waits = Waits::kBarrier;
   if (++at_barrier_ < static_cast<int>(fibers_.size())) {
     park();
@@ -299,12 +493,18 @@ void Block::barrier() {
   for (Fiber& g : fibers_) {
     if (g.waits == Waits::kBarrier) release(g);
   }
+  // Half the barriers draw the priorities anew: which warp leaves first,
+  // to run ahead into the next turn, changes from turn to turn.
+  if (policy_ != Policy::kUniform && random_.below(2) == 0) draw_priorities();
   park();
 }
 
-uint64_t Block::warp_call(Collective kind, unsigned mask, uint64_t bits, unsigned delta,
-                          int width) {
-  Fiber* f = current.load(std::memory_order_relaxed);
+void Block::draw_priorities() {
+  for (uint64_t& p : priority_) p = random_.next() | (uint64_t{1} << 63);
+}
+
+uint64_t Block::warp_call(Collective kind, unsigned mask, uint64_t bits, int arg, int width) {
+  Fiber* f = current;
   const unsigned me = 1u << f->lane;
   if ((mask & me) == 0) {
     fail(std::string(name_of(kind)) + " called by lane " + std::to_string(f->lane) +
@@ -321,7 +521,7 @@ uint64_t Block::warp_call(Collective kind, unsigned mask, uint64_t bits, unsigne
          name_of(c.kind) + " and " + name_of(kind));
   }
   c.bits[f->lane] = bits;
-  c.delta[f->lane] = delta;
+  c.arg[f->lane] = arg;
   c.width[f->lane] = width;
   c.arrived |= me;
   f->waits = Waits::kWarp;
@@ -331,23 +531,33 @@ uint64_t Block::warp_call(Collective kind, unsigned mask, uint64_t bits, unsigne
   }
   c.open = false;
   Fiber* first = &fibers_[static_cast<size_t>(f->warp) * kWarpSize];
+  // A lane of the mask, or garbage for one outside it (undefined on a GPU).
+  auto lane_value = [&](int src) {
+    return ((c.mask >> src) & 1u) != 0 ? c.bits[src] : random_.next();
+  };
   for (int lane = 0; lane < kWarpSize; ++lane) {
     if (((c.mask >> lane) & 1u) == 0) continue;
     uint64_t r = 0;
-    if (kind == Collective::kShuffleDown) {
-      const int w = c.width[lane];
-      const int src = lane + static_cast<int>(c.delta[lane]);
-      if (lane % w + static_cast<int>(c.delta[lane]) >= w) {
-        r = c.bits[lane];
-      } else if (((c.mask >> src) & 1u) != 0) {
-        r = c.bits[src];
-      } else {
-        r = random_.next();  // an inactive source lane: undefined
-      }
-    } else {
-      for (int j = 0; j < kWarpSize; ++j) {
-        if (((c.mask >> j) & 1u) != 0 && c.bits[j] == c.bits[lane]) r |= 1u << j;
-      }
+    const int w = c.width[lane];
+    switch (kind) {
+      case Collective::kShuffleDown:
+        r = lane % w + c.arg[lane] >= w ? c.bits[lane] : lane_value(lane + c.arg[lane]);
+        break;
+      case Collective::kShuffle:  // within the lane's segment of width lanes
+        r = lane_value(lane / w * w + ((c.arg[lane] % w) + w) % w);
+        break;
+      case Collective::kMatchAny:
+        for (int j = 0; j < kWarpSize; ++j) {
+          if (((c.mask >> j) & 1u) != 0 && c.bits[j] == c.bits[lane]) r |= 1u << j;
+        }
+        break;
+      case Collective::kBallot:
+        for (int j = 0; j < kWarpSize; ++j) {
+          if (((c.mask >> j) & 1u) != 0 && c.bits[j] != 0) r |= 1u << j;
+        }
+        break;
+      case Collective::kSyncWarp:
+        break;
     }
     first[lane].result = r;
     release(first[lane]);
@@ -357,11 +567,11 @@ uint64_t Block::warp_call(Collective kind, unsigned mask, uint64_t bits, unsigne
 }
 
 // The block the calling code runs in, or nullptr when it runs outside a
-// fiber (host code, or another thread than the launching one).
+// fiber (host code, or an OS thread that runs no block).
 Block* on_fiber() {
-  Block* b = active.load(std::memory_order_relaxed);
+  Block* b = active;
   if (b == nullptr) return nullptr;
-  const Fiber* f = b->current.load(std::memory_order_relaxed);
+  const Fiber* f = b->current;
   char probe;
   if (f == nullptr || &probe < f->stack_lo || &probe >= f->stack_hi) return nullptr;
   return b;
@@ -374,19 +584,27 @@ Block& block() {
 }
 
 // A load or store of the kernel code: maybe a switch, unless it is to the
-// thread's own stack (its locals and arguments).
-inline void touched(const void* address) {
+// thread's own stack (its locals and arguments). `aligned`: the compiler
+// took the address as aligned to the access's size (an aligned vector load
+// at a misaligned address faults on a GPU, and on the CPU).
+inline void touched(const void* address, size_t bytes, bool aligned, const char* what) {
   Block* b = on_fiber();
   if (b == nullptr) return;
-  const Fiber* f = b->current.load(std::memory_order_relaxed);
+  const Fiber* f = b->current;
   const char* a = static_cast<const char*>(address);
+  if (aligned && reinterpret_cast<uintptr_t>(a) % bytes != 0) {
+    char buf[160];
+    snprintf(buf, sizeof buf, "thread %u: a %zu-byte %s at %p, which is not %zu-byte aligned",
+             f->thread.x, bytes, what, address, bytes);
+    b->fail(buf);
+  }
   if (a >= f->stack_lo && a < f->stack_hi) return;
   b->maybe_yield();
 }
 
 }  // namespace
 
-uint3 thread_index() { return block().current.load(std::memory_order_relaxed)->thread; }
+uint3 thread_index() { return block().current->thread; }
 uint3 block_index() { return block().index; }
 dim3 block_dim() { return block().block_dim; }
 dim3 grid_dim() { return block().grid_dim; }
@@ -394,38 +612,33 @@ dim3 grid_dim() { return block().grid_dim; }
 void sync_block() { block().barrier(); }
 
 uint64_t shuffle_down(unsigned mask, uint64_t bits, unsigned delta, int width) {
-  return block().warp_call(Collective::kShuffleDown, mask, bits, delta, width);
+  return block().warp_call(Collective::kShuffleDown, mask, bits, static_cast<int>(delta), width);
+}
+
+uint64_t shuffle(unsigned mask, uint64_t bits, int src_lane, int width) {
+  return block().warp_call(Collective::kShuffle, mask, bits, src_lane, width);
 }
 
 unsigned match_any(unsigned mask, uint64_t bits) {
   return static_cast<unsigned>(block().warp_call(Collective::kMatchAny, mask, bits, 0, kWarpSize));
 }
 
+unsigned ballot(unsigned mask, bool predicate) {
+  return static_cast<unsigned>(
+      block().warp_call(Collective::kBallot, mask, predicate ? 1 : 0, 0, kWarpSize));
+}
+
+void sync_warp(unsigned mask) { block().warp_call(Collective::kSyncWarp, mask, 0, 0, kWarpSize); }
+
 void interleave() {
   if (Block* b = on_fiber()) b->maybe_yield();
 }
 
-void run_grid(dim3 grid, dim3 block_dims, void (*thread_main)(void*), void* context) {
+void run_grid(dim3 grid, dim3 block_dims, const void* kernel, void (*thread_main)(void*),
+              void* context) {
   const std::lock_guard<std::mutex> lock(launch_mutex);
-  static Stacks stacks;
   launch_log.push_back({grid, block_dims});
-  Random random{current_settings.seed ^ (0x5851f42d4c957f2dull * ++launch_count)};
-  const unsigned n = grid.x * grid.y * grid.z;
-  std::vector<unsigned> order(n);
-  for (unsigned i = 0; i < n; ++i) order[i] = i;
-  for (unsigned i = n; i > 1; --i) std::swap(order[i - 1], order[random.below(i)]);
-  for (unsigned i : order) {
-    const uint3 index{i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
-    Block b(grid, block_dims, index, random, stacks, thread_main, context);
-    active.store(&b, std::memory_order_relaxed);
-    try {
-      b.run();
-    } catch (...) {
-      active.store(nullptr, std::memory_order_relaxed);
-      throw;
-    }
-    active.store(nullptr, std::memory_order_relaxed);
-  }
+  Launch(grid, block_dims, kernel, thread_main, context, current_settings, ++launch_count).run();
 }
 
 Settings settings() {
@@ -451,28 +664,29 @@ std::vector<LaunchRecord> take_launches() {
 
 // ---------------------------------------------------------------------------
 // The hooks -fsanitize=thread makes the kernel files call: before every load
-// and store (touched), around atomics (done here, as real atomics), and at
+// and store (touched: a switch, maybe, and the alignment the compiler
+// assumed checked), around atomics (done here, as real atomics), and at
 // function entry and exit (nothing).
 using torchcast::emulated::touched;
 
 extern "C" {
-#define TORCHCAST_ACCESS_HOOKS(N)                                      \
-  void __tsan_read##N(void* a) { touched(a); }                       \
-  void __tsan_write##N(void* a) { touched(a); }                      \
-  void __tsan_unaligned_read##N(void* a) { touched(a); }             \
-  void __tsan_unaligned_write##N(void* a) { touched(a); }            \
-  void __tsan_volatile_read##N(void* a) { touched(a); }              \
-  void __tsan_volatile_write##N(void* a) { touched(a); }
+#define TORCHCAST_ACCESS_HOOKS(N)                                                     \
+  void __tsan_read##N(void* a) { touched(a, N, true, "load"); }                     \
+  void __tsan_write##N(void* a) { touched(a, N, true, "store"); }                   \
+  void __tsan_unaligned_read##N(void* a) { touched(a, N, false, "load"); }          \
+  void __tsan_unaligned_write##N(void* a) { touched(a, N, false, "store"); }        \
+  void __tsan_volatile_read##N(void* a) { touched(a, N, true, "load"); }            \
+  void __tsan_volatile_write##N(void* a) { touched(a, N, true, "store"); }
 TORCHCAST_ACCESS_HOOKS(1)
 TORCHCAST_ACCESS_HOOKS(2)
 TORCHCAST_ACCESS_HOOKS(4)
 TORCHCAST_ACCESS_HOOKS(8)
 TORCHCAST_ACCESS_HOOKS(16)
 #undef TORCHCAST_ACCESS_HOOKS
-void __tsan_read_range(void* a, unsigned long) { touched(a); }
-void __tsan_write_range(void* a, unsigned long) { touched(a); }
-void __tsan_vptr_read(void** a) { touched(a); }
-void __tsan_vptr_update(void** a, void*) { touched(a); }
+void __tsan_read_range(void* a, unsigned long n) { touched(a, n, false, "load"); }
+void __tsan_write_range(void* a, unsigned long n) { touched(a, n, false, "store"); }
+void __tsan_vptr_read(void** a) { touched(a, sizeof(void*), false, "load"); }
+void __tsan_vptr_update(void** a, void*) { touched(a, sizeof(void*), false, "store"); }
 void __tsan_func_entry(void*) {}
 void __tsan_func_exit() {}
 void __tsan_init() {}

@@ -4,22 +4,30 @@
 // includes it instead of the CUDA runtime when TORCHCAST_EMULATED is defined;
 // the runtime behind it is grid.cpp.
 //
-// A launch runs its blocks one at a time, in a shuffled order; a block's
-// threads are fibers (one stack each) on the launching thread, switched by a
-// seeded random scheduler at every barrier, warp collective and atomic, and
-// at random loads and stores outside the thread's own stack: the kernel
-// files are compiled with -fsanitize=thread, whose memory-access hooks are
-// grid.cpp's. So a read that a missing __syncthreads leaves unordered, or a
-// read-modify-write of a shared counter that is not atomic, interleaves with
-// the other threads as it may on a GPU, and the result is wrong or varies
-// with the seed instead of passing by luck.
+// A launch keeps a few blocks resident at once, as a multiprocessor does,
+// each on an OS thread of its own, and interleaves them: one OS thread runs
+// at a time, handing over at random points, so that a run is a function of
+// the seed. A block's threads are fibers (one stack each) switched by a
+// seeded scheduler at every barrier, warp collective and atomic, and at
+// random loads and stores outside the thread's own stack: the kernel files
+// are compiled with -fsanitize=thread, whose memory-access hooks are
+// grid.cpp's. The scheduler picks uniformly among the runnable threads, or
+// by random priorities of warps or of threads with random change points
+// (PCT), drawn anew at half the barriers: one warp or thread runs far
+// ahead, to its next barrier and past it. So a read that a missing
+// __syncthreads leaves unordered, a read-modify-write of a counter that is
+// not atomic, within a block or across blocks, interleaves as it may on a
+// GPU, and the result is wrong or varies with the seed instead of passing
+// by luck. An aligned load or store (a vector packet) at a misaligned
+// address is reported, naming the kernel.
 //
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim; __syncthreads (all
 // of the block's threads must arrive: a thread that exited, or a barrier in
-// divergent code, is reported as a deadlock); __shfl_down_sync and
-// __match_any_sync within a warp of 32 lanes (every lane of the mask must
-// call, and only they; a lane outside the mask reads as garbage);
-// atomicAdd/Max/Min on integers; __shared__ arrays, one per block.
+// divergent code, is reported as a deadlock); __syncwarp, __shfl_sync,
+// __shfl_down_sync, __ballot_sync and __match_any_sync within a warp of 32
+// lanes (every lane of the mask must call, and only they; a lane outside
+// the mask reads as garbage); atomicAdd/Max/Min on integers; __shared__
+// arrays, one per resident block.
 #pragma once
 
 #include <cstdint>
@@ -29,9 +37,10 @@
 #include <utility>
 #include <vector>
 
-// A function-local static is the block's shared memory: blocks run one at a
-// time. (Shared memory is not cleared between blocks, as on a GPU.)
-#define __shared__ static
+// A function-local static of the block's OS thread is its shared memory:
+// each resident block runs on a thread of its own. (Shared memory is not
+// cleared between the blocks a thread runs, as on a GPU.)
+#define __shared__ static thread_local
 #define __global__
 #define __device__
 #define __host__
@@ -62,20 +71,35 @@ dim3 grid_dim() __attribute__((const));
 // The block barrier and the warp collectives; each switches to other threads.
 void sync_block();
 uint64_t shuffle_down(unsigned mask, uint64_t bits, unsigned delta, int width);
+uint64_t shuffle(unsigned mask, uint64_t bits, int src_lane, int width);
 unsigned match_any(unsigned mask, uint64_t bits);
+unsigned ballot(unsigned mask, bool predicate);
+void sync_warp(unsigned mask);
 // A point where the scheduler may switch threads (before each atomic).
 void interleave();
 
-// Runs thread_main(context) as every thread of a grid x block launch.
-void run_grid(dim3 grid, dim3 block, void (*thread_main)(void*), void* context);
+// Runs thread_main(context) as every thread of a grid x block launch of
+// kernel (named by its errors).
+void run_grid(dim3 grid, dim3 block, const void* kernel, void (*thread_main)(void*),
+              void* context);
 
-// What the host drivers read as the device's properties, the schedule's seed,
-// and the launches made since the last reset (grid and block sizes), which the
-// tests read to see that a case wraps a grid-stride loop.
+// How a block's scheduler picks the next thread: uniformly among the
+// runnable ones; or the runnable one of the highest priority, priorities
+// drawn per warp or per thread, the running one's dropped below all others
+// at random change points (PCT); or one of these drawn per block.
+enum class Policy : int { kMixed = 0, kUniform = 1, kWarps = 2, kThreads = 3 };
+
+// What the host drivers read as the device's properties, the schedule (its
+// seed, policy and how many blocks are resident at once), and the launches
+// made since the last reset (grid and block sizes), which the tests read to
+// see that a case wraps a grid-stride loop.
 struct Settings {
   int multiprocessors = 2;
   uint64_t seed = 0;
+  Policy policy = Policy::kMixed;
+  int resident = 1;  // blocks interleaved at once, at most kMaxResident
 };
+constexpr int kMaxResident = 8;
 Settings settings();
 void configure(const Settings& s);
 struct LaunchRecord {
@@ -92,7 +116,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
     void (*kernel)(Params...);
     std::tuple<std::decay_t<Params>...> params;
   } call{kernel, std::tuple<std::decay_t<Params>...>(std::forward<Args>(args)...)};
-  run_grid(grid, block, [](void* c) {
+  run_grid(grid, block, reinterpret_cast<const void*>(kernel), [](void* c) {
     const Call& call = *static_cast<const Call*>(c);
     std::apply(call.kernel, call.params);
   }, &call);
@@ -125,6 +149,17 @@ T from_bits(uint64_t bits) {
 #define gridDim (::torchcast::emulated::grid_dim())
 
 inline void __syncthreads() { ::torchcast::emulated::sync_block(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::torchcast::emulated::sync_warp(mask); }
+
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  return ::torchcast::emulated::ballot(mask, predicate != 0);
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = ::torchcast::emulated::kWarpSize) {
+  namespace e = ::torchcast::emulated;
+  return e::from_bits<T>(e::shuffle(mask, e::to_bits(v), src_lane, width));
+}
 
 template <typename T>
 T __shfl_down_sync(unsigned mask, T v, unsigned delta,

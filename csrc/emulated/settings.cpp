@@ -1,7 +1,7 @@
 // The emulated grid's settings and launch log, as ops of torchcast_emulated
 // (tests/emulated.py): what the host drivers read as the device's
-// multiprocessors, the schedule's seed, and the grid and block sizes of the
-// launches since the last call.
+// multiprocessors, the schedule (seed, policy, resident blocks), and the grid
+// and block sizes of the launches since the last call.
 #include <torch/library.h>
 
 #include <cstdint>
@@ -13,10 +13,17 @@ namespace torchcast {
 namespace emulated {
 namespace {
 
-void configure_op(int64_t multiprocessors, int64_t seed) {
+void configure_op(int64_t multiprocessors, int64_t seed, int64_t policy, int64_t resident) {
   TORCH_CHECK_VALUE(multiprocessors >= 1, "torchcast_emulated.configure: multiprocessors is ",
                     multiprocessors, "; expected at least 1");
-  configure({static_cast<int>(multiprocessors), static_cast<uint64_t>(seed)});
+  TORCH_CHECK_VALUE(policy >= 0 && policy <= static_cast<int>(Policy::kThreads),
+                    "torchcast_emulated.configure: policy is ", policy,
+                    "; expected 0 (mixed), 1 (uniform), 2 (warps) or 3 (threads)");
+  TORCH_CHECK_VALUE(resident >= 1 && resident <= kMaxResident,
+                    "torchcast_emulated.configure: resident is ", resident, "; expected 1 to ",
+                    kMaxResident);
+  configure({static_cast<int>(multiprocessors), static_cast<uint64_t>(seed),
+             static_cast<Policy>(policy), static_cast<int>(resident)});
 }
 
 // [grid.x, block.x] per launch, flattened: the kernels launch 1-D grids.
@@ -34,6 +41,6 @@ std::vector<int64_t> launches_op() {
 }  // namespace torchcast
 
 TORCH_LIBRARY_FRAGMENT(torchcast_emulated, m) {
-  m.def("configure(int multiprocessors, int seed) -> ()", &torchcast::emulated::configure_op);
+  m.def("configure(int multiprocessors, int seed, int policy=0, int resident=1) -> ()", &torchcast::emulated::configure_op);
   m.def("launches() -> int[]", &torchcast::emulated::launches_op);
 }
