@@ -147,16 +147,21 @@ def test_a_step_gradscaler_skips_is_not_stopped(nonfinite_engine):
     assert report.ended_by is None and all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def _amp_loop(nonfinite, x, steps, load=None, fused=False, **scaler_args):
+_AMP_OPTIMIZERS = {  # the last two take GradScaler's found_inf and skip themselves
+    "SGD": lambda params: torch.optim.SGD(params, lr=1e-4),
+    "fused Adam": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+    "torchcast AdamW": lambda params: torchcast.optim.AdamW(params, lr=1e-3),
+}
+
+
+def _amp_loop(nonfinite, x, steps, load=None, optimizer="SGD", **scaler_args):
     """A float16 autocast loop with GradScaler (zero_grad between forward
-    and backward, as torch's AMP examples) and SGD, or with ``fused`` a
-    fused Adam (which GradScaler hands its found_inf to skip itself); under
-    ``nonfinite`` None, the plain run. Returns (report, model's parameters,
-    each step's scale)."""
+    and backward, as torch's AMP examples) and ``optimizer`` (of
+    _AMP_OPTIMIZERS); under ``nonfinite`` None, the plain run. Returns
+    (report, model's parameters, each step's scale)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3, fused=True) if fused
-           else torch.optim.SGD(model.parameters(), lr=1e-4))
+    opt = _AMP_OPTIMIZERS[optimizer](model.parameters())
     scaler = torch.amp.GradScaler("cpu", **scaler_args)
     scales = []
     with (torchcast.track(nonfinite=nonfinite) if nonfinite else nullcontext()) as report:
@@ -178,24 +183,26 @@ def _skipped(scales, init):
     return sum(b < a for a, b in zip([init] + scales, scales))
 
 
-@pytest.mark.parametrize("skips", ["first", "later", "default scale", "first, fused Adam"])
+@pytest.mark.parametrize("skips", ["first", "later", "default scale", "first, fused Adam",
+                                   "first, torchcast AdamW"])
 def test_gradscaler_skips_before_or_after_a_step_are_absorbed(nonfinite_engine, skips):
     """Gradients GradScaler finds overflowed (and skips the step of) are no
     NaN/inf reaching: "raise" runs on with the plain run's bits, "record"
     calls them absorbed, whether the skip comes before the first optimizer
     step or after one, and in the block's last iteration."""
     torch.manual_seed(1)
-    x, steps, fused = torch.randn(4, 8), 4, skips.endswith("fused Adam")
+    x, steps, optimizer = torch.randn(4, 8), 4, skips.partition(", ")[2] or "SGD"
     if skips.startswith("first"):  # 2**60, 2**40 and 2**20 overflow float16, then 1 does not
         args = dict(init_scale=2.0 ** 60, backoff_factor=2.0 ** -20, growth_interval=1)
     elif skips == "later":  # 2**12 does not; then 2**32, 2**31, 2**30 do
         args = dict(init_scale=2.0 ** 12, growth_factor=2.0 ** 20, growth_interval=1)
     else:  # the default 65536 on inputs of ~10: halved 5 times until the gradients fit
         x, steps, args = x * 10, 8, dict(init_scale=2.0 ** 16)
-    _, plain, scales = _amp_loop(None, x, steps, fused=fused, **args)
+    _, plain, scales = _amp_loop(None, x, steps, optimizer=optimizer, **args)
     assert 1 <= _skipped(scales, args["init_scale"]) < steps, scales
     for nonfinite in ("raise", "record"):
-        report, params, tracked_scales = _amp_loop(nonfinite, x, steps, fused=fused, **args)
+        report, params, tracked_scales = _amp_loop(nonfinite, x, steps, optimizer=optimizer,
+                                                   **args)
         assert tracked_scales == scales
         assert all(torch.equal(a, b) for a, b in zip(params, plain)), nonfinite
         assert report.ended_by is None

@@ -8,10 +8,10 @@ subclass); the start of backward from torch.autograd's engine entry, which
 backward() and autograd.grad() both call, wrapped as torch.compiler's own
 patch of it does. A GradScaler's check from the op it runs on the
 gradients (in ``unscale_``, and before the step of an optimizer that skips
-itself on its ``found_inf``),
-``torch._amp_foreach_non_finite_check_and_unscale_``, wrapped in torch's
-namespace, where GradScaler (and FSDP's ShardedGradScaler) looks it up.
-Installed by the first subscription and kept: removing
+itself on its ``found_inf``), ``torch._amp_foreach_non_finite_check_and_unscale_``,
+wrapped in torch's namespace, where GradScaler (and FSDP's
+ShardedGradScaler) looks it up. Installed by the first subscription and
+kept: removing
 them while another thread iterates torch's hook dict would break its step.
 A subscriber hears the events of the thread that subscribed (the thread
 that entered the track), or with ``any_thread`` those of every thread.
@@ -47,9 +47,8 @@ def _thread_subscribers() -> Dict[str, List[Callable[..., None]]]:
 
 def subscribe(event: str, callback: Callable[..., None], any_thread: bool = False) -> None:
     """Calls ``callback`` at each ``event`` (OPTIMIZER_STEP, BACKWARD, BACKWARD_DONE or
-    GRADS_UNSCALED) of
-    the calling thread (of every thread with ``any_thread``) until
-    ``unsubscribe`` with the same arguments."""
+    GRADS_UNSCALED) of the calling thread (of every thread with
+    ``any_thread``) until ``unsubscribe`` with the same arguments."""
     _install()
     with _lock:
         (_everywhere if any_thread else _thread_subscribers())[event].append(callback)
@@ -117,11 +116,12 @@ def _install_unscale() -> None:
     """Wraps GradScaler's check of the gradients (under _lock, once)."""
     check = torch._amp_foreach_non_finite_check_and_unscale_
 
-    def _amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale):
-        result = check(grads, found_inf, inv_scale)
+    def _amp_foreach_non_finite_check_and_unscale_(*args, **kwargs):
+        result = check(*args, **kwargs)
         if not torch.compiler.is_compiling():
+            named = dict(zip(("self", "found_inf", "inv_scale"), args), **kwargs)
             for callback in _listeners(GRADS_UNSCALED):
-                callback(grads, found_inf)
+                callback(named["self"], named["found_inf"])
         return result
 
     _amp_foreach_non_finite_check_and_unscale_.__wrapped__ = check
