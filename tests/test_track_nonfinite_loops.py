@@ -6,6 +6,7 @@ and what the reports say of them.
 """
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -121,8 +122,8 @@ def test_raise_stops_before_a_hand_written_update_writes_a_parameter(nonfinite_e
 
 def test_a_step_gradscaler_skips_is_not_stopped(nonfinite_engine):
     """Overflowed gradients a GradScaler finds and skips write no parameter:
-    "raise" lets the run go on (after a first step that ran: see the
-    report of issue 46 for a skip before any optimizer step)."""
+    "raise" lets the run go on (skips before any optimizer step, and in the
+    block's last iteration: the tests below)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -144,6 +145,108 @@ def test_a_step_gradscaler_skips_is_not_stopped(nonfinite_engine):
             scales.append(scaler.get_scale())
     assert scales[1] < 2.0 ** 60  # step 2 overflowed and was skipped
     assert report.ended_by is None and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+_AMP_OPTIMIZERS = {  # the last two take GradScaler's found_inf and skip themselves
+    "SGD": lambda params: torch.optim.SGD(params, lr=1e-4),
+    "fused Adam": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
+    "torchcast AdamW": lambda params: torchcast.optim.AdamW(params, lr=1e-3),
+}
+
+
+def _amp_loop(nonfinite, x, steps, load=None, optimizer="SGD", **scaler_args):
+    """A float16 autocast loop with GradScaler (zero_grad between forward
+    and backward, as torch's AMP examples) and ``optimizer`` (of
+    _AMP_OPTIMIZERS); under ``nonfinite`` None, the plain run. Returns
+    (report, model's parameters, each step's scale)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = _AMP_OPTIMIZERS[optimizer](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", **scaler_args)
+    scales = []
+    with (torchcast.track(nonfinite=nonfinite) if nonfinite else nullcontext()) as report:
+        if load is not None:
+            model.load_state_dict(load)
+        for step in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    return report, [p.detach().clone() for p in model.parameters()], scales
+
+
+def _skipped(scales, init):
+    """How many steps GradScaler skipped (each lowered the scale)."""
+    return sum(b < a for a, b in zip([init] + scales, scales))
+
+
+@pytest.mark.parametrize("skips", ["first", "later", "default scale", "first, fused Adam",
+                                   "first, torchcast AdamW"])
+def test_gradscaler_skips_before_or_after_a_step_are_absorbed(nonfinite_engine, skips):
+    """Gradients GradScaler finds overflowed (and skips the step of) are no
+    NaN/inf reaching: "raise" runs on with the plain run's bits, "record"
+    calls them absorbed, whether the skip comes before the first optimizer
+    step or after one, and in the block's last iteration."""
+    torch.manual_seed(1)
+    x, steps, optimizer = torch.randn(4, 8), 4, skips.partition(", ")[2] or "SGD"
+    if skips.startswith("first"):  # 2**60, 2**40 and 2**20 overflow float16, then 1 does not
+        args = dict(init_scale=2.0 ** 60, backoff_factor=2.0 ** -20, growth_interval=1)
+    elif skips == "later":  # 2**12 does not; then 2**32, 2**31, 2**30 do
+        args = dict(init_scale=2.0 ** 12, growth_factor=2.0 ** 20, growth_interval=1)
+    else:  # the default 65536 on inputs of ~10: halved 5 times until the gradients fit
+        x, steps, args = x * 10, 8, dict(init_scale=2.0 ** 16)
+    _, plain, scales = _amp_loop(None, x, steps, optimizer=optimizer, **args)
+    assert 1 <= _skipped(scales, args["init_scale"]) < steps, scales
+    for nonfinite in ("raise", "record"):
+        report, params, tracked_scales = _amp_loop(nonfinite, x, steps, optimizer=optimizer,
+                                                   **args)
+        assert tracked_scales == scales
+        assert all(torch.equal(a, b) for a, b in zip(params, plain)), nonfinite
+        assert report.ended_by is None
+        assert report.nonfinite, "the overflow is an origin"
+        for origin in report.nonfinite:
+            assert origin.phase == "backward" and origin.reached is False, origin.describe()
+            assert "or GradScaler skipped the step" in origin.describe()
+
+
+def test_a_nan_gradscaler_cannot_skip_still_raises(nonfinite_engine):
+    """A NaN weight from a checkpoint reaches the output before any scaler
+    decides: "raise" stops there, as without GradScaler."""
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).state_dict()
+    saved["0.weight"][3, 2] = float("nan")
+    x = torch.randn(4, 8)
+    with pytest.raises(torchcast.NonFiniteError) as raised:
+        _amp_loop("raise", x, 2, load=saved, init_scale=2.0 ** 60)
+    assert raised.value.reached_at == "the output of Sequential"
+    data = x.clone()
+    data[0, 0] = float("nan")
+    with pytest.raises(torchcast.NonFiniteError) as raised:
+        _amp_loop("raise", data, 2, init_scale=2.0 ** 60)
+    assert raised.value.reached_at == "the output of Sequential"
+
+
+def test_a_step_on_gradients_the_scaler_found_inf_in_still_raises(nonfinite_engine):
+    """An optimizer's step() called on the gradients after scaler.unscale_
+    found inf in them (not through scaler.step, which would skip it) reads
+    them: "raise" stops before it writes the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 60)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(torchcast.NonFiniteError) as raised:
+        with torchcast.track(nonfinite="raise"):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            opt.step()
+    assert raised.value.reached_at == "the gradients SGD.step() read"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_record_names_the_backward_origin_of_a_hand_written_loop(nonfinite_engine):

@@ -104,7 +104,8 @@ def _origins(data: Dict[str, Any]) -> str:
                     step += (f" (absorbed in {esc(o['absorbed_steps'])} other steps: perhaps "
                              "another origin's NaN/inf reached)")
             elif o.get("reached") is False:
-                step += "absorbed (the step's outputs, loss and gradients stayed finite)"
+                step += ("absorbed (the step's outputs, loss and gradients stayed finite, or "
+                         "GradScaler skipped the step)")
             else:
                 step += "not decided (the block ended inside its step)"
             step = f"{step}<br>"

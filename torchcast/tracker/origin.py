@@ -207,7 +207,7 @@ class NonFiniteOrigin:
         """Whether its NaN/inf reached the outputs or the loss, e.g.
         "reached the loss (a tensor backward() ran from) at optimizer step
         3", "absorbed (the step's outputs, loss and gradients stayed
-        finite)"; "" where not decided."""
+        finite, or GradScaler skipped the step)"; "" where not decided."""
         if self.reached:
             step = f" at {step_phrase(self.step_kind, self.reached_step)}" \
                 if self.reached_step is not None else ""
@@ -218,7 +218,8 @@ class NonFiniteOrigin:
                          "reached may be another origin's of that step")
             return text
         if self.reached is False:
-            return "absorbed (the step's outputs, loss and gradients stayed finite)"
+            return ("absorbed (the step's outputs, loss and gradients stayed finite, or GradScaler "
+                    "skipped the step)")
         return ""
 
     def to_dict(self) -> Dict[str, Any]:

@@ -26,6 +26,13 @@ ended, NaN/inf showed in one of the places a step's values leave by:
      so NaN/inf there are its own ops');
   4. where a step ends without an optimizer step, the parameters, and
      their gradients, of the step's top-level modules.
+Gradients in which a GradScaler found NaN/inf (events.py's GRADS_UNSCALED)
+are not read in 2 (at a step's end) and 4, nor in 3 by an optimizer that
+takes GradScaler's ``found_inf`` and skips itself (``_step_supports_amp_scaling``):
+the scaler skips the step that would use them, and lowers its scale, which
+is how float16 training is meant to go; until the next backward writes
+new ones. An optimizer that steps on them all the same (its step()
+called after ``scaler.unscale_`` found inf) still reads them in 3.
 Otherwise, at the end of its step, it was *absorbed*. A step ends at an
 optimizer's step() once the block has run one; before that, a top-level
 call's step ends when the next one begins (noticed as it returns: an
@@ -66,7 +73,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .. import _ops
-from .events import BACKWARD, BACKWARD_DONE, OPTIMIZER_STEP, subscribe, unsubscribe
+from .events import (BACKWARD, BACKWARD_DONE, GRADS_UNSCALED, OPTIMIZER_STEP, subscribe,
+                     unsubscribe)
 from .modules import add_output_listener, remove_output_listener, running_calls
 from .nonfinite_origin import NonFiniteError, floating_data
 from .origin import NonFiniteOrigin, reach_rank
@@ -126,6 +134,9 @@ class StepTracker:
         # Under "raise", after a backward that left NaN/inf in the gradients
         # while an origin was undecided, until the step's next boundary.
         self.guard: Optional[ParamWriteGuard] = None
+        # The gradients a GradScaler checked since the last backward began:
+        # id -> (weakref, its found_inf).
+        self.unscaled: Dict[int, tuple] = {}
 
     # -- what the watch calls -------------------------------------------------------
     def start(self) -> None:
@@ -137,6 +148,7 @@ class StepTracker:
         subscribe(OPTIMIZER_STEP, self._optimizer_step)
         subscribe(BACKWARD, self._backward_from)
         subscribe(BACKWARD_DONE, self._backward_done)
+        subscribe(GRADS_UNSCALED, self._grads_unscaled)
 
     def end_block(self, failed: bool) -> Optional[NonFiniteError]:
         """At the block's exit, once the watch's pending flags are read:
@@ -166,6 +178,8 @@ class StepTracker:
             unsubscribe(OPTIMIZER_STEP, self._optimizer_step)
             unsubscribe(BACKWARD, self._backward_from)
             unsubscribe(BACKWARD_DONE, self._backward_done)
+            unsubscribe(GRADS_UNSCALED, self._grads_unscaled)
+            self.unscaled = {}
             with self.watch.lock:
                 for origin in self.watch.origins.values():
                     self._resolve(origin)
@@ -174,7 +188,7 @@ class StepTracker:
         """In a process forked inside the track: forgets the undecided calls.
         A worker's data leaves it as data: whether its NaN/inf reach the
         outputs shows in the track's process, where they are inputs."""
-        self.open, self.raw, self.roots = {}, {}, {}
+        self.open, self.raw, self.roots, self.unscaled = {}, {}, {}, {}
         self.in_worker = True
 
     def roots_now(self) -> List[torch.nn.Module]:
@@ -304,11 +318,30 @@ class StepTracker:
             if root is None:
                 continue
             params = list(root.parameters())
-            if self._any_nonfinite(p.grad for p in params):
+            if self._any_nonfinite(self._unskipped(p.grad for p in params)):
                 return f"the gradients of {type(root).__name__}'s parameters"
             if parameters and self._any_nonfinite(params):
                 return f"{type(root).__name__}'s parameters"
         return None
+
+    def _unskipped(self, grads: Iterable[Any]) -> Iterable[Any]:
+        """``grads`` but those a GradScaler found NaN/inf in (it skips the
+        step that would use them)."""
+        if not self.unscaled:
+            return grads
+        found = {}  # id(found_inf) -> whether it was set: each read once
+        kept = []
+        for grad in grads:
+            entry = self.unscaled.get(id(grad))
+            if entry is not None and entry[0]() is grad:
+                found_inf = entry[1]
+                if id(found_inf) not in found:
+                    with self.unwatched():
+                        found[id(found_inf)] = bool(found_inf.detach().ne(0).any())
+                if found[id(found_inf)]:
+                    continue
+            kept.append(grad)
+        return kept
 
     def _any_nonfinite(self, values: Iterable[Any]) -> bool:
         """Whether a floating tensor among ``values`` holds NaN/inf: CPU tensors
@@ -387,6 +420,7 @@ class StepTracker:
         """backward() or autograd.grad() is about to run from ``outputs``."""
         if self.in_worker:
             return
+        self.unscaled = {}  # (it writes new gradients, for the scaler to check again)
         self.leave_guard()
         self._raise_pending()
         if self.watch.pending:
@@ -427,6 +461,16 @@ class StepTracker:
         self.guard = ParamWriteGuard(params, error)
         self.guard.enter()
 
+    def _grads_unscaled(self, grads: List[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """A GradScaler checked (and unscaled) ``grads``, setting
+        ``found_inf`` if one held NaN/inf: kept, whether or not an origin is
+        undecided yet (off the CPU, the backward's origins may still await
+        their flags); found_inf is read only where the grads would be judged."""
+        if self.in_worker:
+            return
+        for grad in grads:
+            self.unscaled[id(grad)] = (weakref.ref(grad), found_inf)
+
     def leave_guard(self) -> None:
         """Leaves the guard _backward_done entered, at a boundary of the step
         and when the track stops (before the modes entered before it)."""
@@ -451,7 +495,10 @@ class StepTracker:
             self.opt_seen = True
             try:
                 self._raise_pending()
-                if self.open and self._any_nonfinite(p.grad for p in params):
+                grads = [p.grad for p in params]
+                if self.open and getattr(optimizer, "_step_supports_amp_scaling", False):
+                    grads = self._unskipped(grads)  # (it skips itself on GradScaler's found_inf)
+                if self.open and self._any_nonfinite(grads):
                     self._reached(f"the gradients {name}.step() read", now)
             except NonFiniteError:
                 self.opt_depth -= 1  # raised before the step: no post-hook comes
