@@ -32,9 +32,10 @@ a command's output under it); a file ninja found up to date is compiled
 again as above.
 --control also compiles adam.cu with --fmad=true and requires the PTX check
 to find contractible lines there and the SASS check fused multiply-adds in
-most of its kernels, and compiles kernels with planted float atomics (a
-global atomicAdd whose result is unused, one on shared memory) with the
-build's flags and requires each to be found: the checks can fail.
+most of its kernels, and compiles tests/data/sm90_atomics.cu (float atomics
+on global memory, their result used or not, on shared memory, in double;
+integer ones) with the build's flags and requires each float one, and no
+integer one, to be found: the checks can fail.
 
     python .ci/cuda_facts.py BUILD_TEMP_DIR OUT_DIR [--from-build LOG] [--control] [--jobs N]
 
@@ -68,18 +69,11 @@ FLOAT_ATOMIC = re.compile(r"^(RED|REDG|REDS|ATOM|ATOMG|ATOMS)\.\S*"
 # instructions), and the float arithmetic that makes that loop a float atomic.
 CAS = re.compile(r"^(ATOMS|ATOMG|ATOM)\.(CAST\.SPIN|CAS)\b")
 FLOAT_ARITH = re.compile(r"^(FADD|DADD|HADD2|FMUL|DMUL|HMUL2|FMNMX|DMNMX|HMNMX2|FFMA|DFMA|HFMA2)\b")
-# Kernels with float atomics, for --control.
-PLANTED_ATOMICS = """
-__global__ void torchcast_planted_global_atomic(float* out, float v) { atomicAdd(out, v); }
-__global__ void torchcast_planted_shared_atomic(float* out, float v) {
-  __shared__ float sum;
-  if (threadIdx.x == 0) sum = 0;
-  __syncthreads();
-  atomicAdd(&sum, v);
-  __syncthreads();
-  if (threadIdx.x == 0) *out = sum;
-}
-"""
+# Kernels with float atomics and integer ones, for --control (the source of
+# tests/data/sm90_atomics.sass, which tests/test_cuda_facts.py reads).
+PLANTED_ATOMICS = Path(__file__).resolve().parents[1] / "tests" / "data" / "sm90_atomics.cu"
+PLANTED_FLOAT = ("global_unused", "global_used", "shared_add", "double_unused")
+PLANTED_INTEGER = ("int_ok", "s64")
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 REGISTER = re.compile(r"(?<![\w.])[-|!]*R(\d+)\b")
 # A source line that asks for a fused multiply-add by name.
@@ -404,13 +398,11 @@ def main():
             control = pool.submit(compile_kept, "adam",
                                   command.replace("--fmad=false", "--fmad=true"), obj,
                                   args.out / "control")
-            planted = args.out / "control" / "planted_atomics.cu"
-            planted.parent.mkdir(parents=True, exist_ok=True)
-            planted.write_text(PLANTED_ATOMICS)
             source = re.search(r" -c (\S+) -o ", command).group(1)
-            control_atomics = pool.submit(compile_kept, "planted_atomics",
-                                          command.replace(f" -c {source} ", f" -c {planted} "),
-                                          obj, args.out / "control")
+            control_atomics = pool.submit(
+                compile_kept, PLANTED_ATOMICS.stem,
+                command.replace(f" -c {source} ", f" -c {PLANTED_ATOMICS} "), obj,
+                args.out / "control")
     rows, failures = [], []
     for (stem, _, _), (text, keep) in zip(commands, compiled):
         r, f = check_file(stem, text, keep)
@@ -433,12 +425,14 @@ def main():
                   f"contractible PTX lines ({len(in_ptx)} shown), and fused multiply-adds in the "
                   f"SASS of {len(in_sass)} of {len(control_rows)} kernels (in the others every "
                   "contraction sits on a line with a division or square root)")
-        _, caught = check_file("planted_atomics", *control_atomics.result())
-        missed = [k for k in ("torchcast_planted_global_atomic", "torchcast_planted_shared_atomic")
-                  if not any(k in f and "floating-point atomics" in f for f in caught)]
-        if missed:
-            failures.append(f"control: the float atomics planted in {', '.join(missed)} were not "
-                            "found")
+        _, caught = check_file(PLANTED_ATOMICS.stem, *control_atomics.result())
+        flagged = {k for k in PLANTED_FLOAT + PLANTED_INTEGER
+                   if any(f.startswith(f"{k}: floating-point atomics") for f in caught)}
+        missed = [k for k in PLANTED_FLOAT if k not in flagged]
+        wrong = [k for k in PLANTED_INTEGER if k in flagged]
+        if missed or wrong:
+            failures.append(f"control: in {PLANTED_ATOMICS.name} the float atomics of "
+                            f"{missed} were not found, and integer ones of {wrong} were")
         else:
             print("control: the planted float atomics fail the check, as they must: "
                   + "; ".join(f for f in caught if "floating-point atomics" in f))

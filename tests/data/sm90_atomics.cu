@@ -1,5 +1,6 @@
 // Float and integer atomics as sm_90 compiles them: the SASS of tests/data/sm90_atomics.sass,
-// which tests/test_cuda_facts.py reads (.ci/cuda_facts.py must find the float ones, only).
+// which tests/test_cuda_facts.py reads (.ci/cuda_facts.py must find the float ones, only);
+// .ci/cuda_facts.py --control compiles this file with the build's flags and checks the same.
 __global__ void global_unused(float* out, float v) { atomicAdd(out, v); }
 __global__ void global_used(float* out, float v, float* r) { r[threadIdx.x] = atomicAdd(out, v); }
 __global__ void shared_add(float* out, float v) {
