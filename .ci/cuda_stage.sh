@@ -4,9 +4,8 @@
 # them (.ci/cuda_facts.py: registers, no spills, no fused multiply-add the
 # source did not ask for, no floating-point atomics), import the build on
 # this machine (which may have no GPU: nothing CUDA runs here) and run the
-# test suite against it, the CUDA kernels on the emulated grid included. The
-# CUDA tests themselves skip without a GPU; benchmarks/gpu_check.sh runs them
-# on one.
+# ops' tests against it (OPS_SLICE below). The CUDA tests themselves skip
+# without a GPU; benchmarks/gpu_check.sh runs them on one.
 #
 # Skipped, not failed, where nvcc is absent or the disk has no room for a
 # CUDA torch (about 7 GiB). Knobs:
@@ -127,10 +126,15 @@ print("   torchcast CUDA build imported:", torchcast._C.__file__,
 EOF
 )
 
-# The fast cases (the slow ones ran against the CPU build in .ci/run's slow
-# stage), without the emulated grid: it runs the same csrc/cuda sources as in
-# the CPU build's stages, and is built once per CI run, there.
-step "test suite against the CUDA build (fast cases; the emulated grid ran in the CPU build's stages)"
-(cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests \
-   --ignore=tests/test_cuda_emulated.py)
+# The ops' tests under this torch (the CUDA build of $TORCH_CUDA_PIN: its
+# dispatcher, autocast and compile): every op, its registration, opcheck,
+# gradcheck and errors. The rest of the suite (the tracker, the reports)
+# runs against the CPU build in .ci/run, and the emulated grid, which
+# compiles the same csrc/cuda sources, is built and run once, there.
+OPS_SLICE="tests/test_cast.py tests/test_adam.py tests/test_reduce.py tests/test_health.py
+  tests/test_block_cast.py tests/test_api_errors.py tests/test_float8.py tests/test_scaling.py
+  tests/test_stats.py tests/test_adam_moments8.py tests/test_packaging.py"
+step "the ops' tests against the CUDA build"
+# shellcheck disable=SC2086
+(cd "$STAGE" && PYTHONPATH=$STAGE "$VENV/bin/python" -m pytest -q -p no:cacheprovider $OPS_SLICE)
 step "done"
